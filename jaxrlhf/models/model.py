@@ -1,0 +1,134 @@
+"""Functional entry points: build a model, get its abstract params and logical specs,
+initialise it directly sharded, and run it as a pure function of ``params``.
+
+Linen keeps parameters outside the module, so every jitted step is ``apply(params, ...)``.
+Parameters here are always *unboxed* (plain arrays); their logical axis names live in a
+parallel tree from :func:`logical_specs`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrlhf.models.attention import causal_mask, positions_from_mask
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.transformer import HEADS, Constrain, KVCache, no_constraint
+
+Params = Any  # nested dict of arrays: {"decoder": ..., "lm_head" | "score": ...}
+
+
+def build(cfg: ModelConfig, head: str = "lm", constrain: Constrain = no_constraint) -> nn.Module:
+    """The Linen module for ``head`` in {"lm", "scalar"}."""
+    if head not in HEADS:
+        raise ValueError(f"model head {head!r} is not one of {sorted(HEADS)}")
+    return HEADS[head](cfg, constrain)
+
+
+def _init_fn(module: nn.Module, key: jax.Array) -> Any:
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    mask = jnp.ones((1, 1), bool)
+    return module.init(key, tokens, jnp.zeros((1, 1), jnp.int32), causal_mask(mask, 1))["params"]
+
+
+def logical_specs(cfg: ModelConfig, head: str = "lm") -> Any:
+    """Tree of PartitionSpecs of logical axis names, matching the param tree."""
+    boxed = jax.eval_shape(functools.partial(_init_fn, build(cfg, head)), jax.random.key(0))
+    return nn.get_partition_spec(boxed)
+
+
+def abstract_params(cfg: ModelConfig, head: str = "lm") -> Any:
+    """Tree of ``jax.ShapeDtypeStruct`` for the (unboxed) params; no device memory used."""
+    return nn.unbox(
+        jax.eval_shape(functools.partial(_init_fn, build(cfg, head)), jax.random.key(0))
+    )
+
+
+def init_params(
+    cfg: ModelConfig, key: jax.Array, head: str = "lm", shardings: Any | None = None
+) -> Params:
+    """Random params, created directly in ``shardings`` (a NamedSharding tree) when given.
+
+    Initialisation is one jitted function with ``out_shardings``, so each device only ever
+    materialises its own shards; no full replicated copy exists at any point.
+    """
+    module = build(cfg, head)
+    init = jax.jit(lambda k: nn.unbox(_init_fn(module, k)), out_shardings=shardings)
+    return init(key)
+
+
+def forward(
+    module: nn.Module,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    mask: Bool[Array, "B T"],
+    positions: Int[Array, "B T"] | None = None,
+) -> Float[Array, "B T ..."]:
+    """Full-sequence forward with per-row padding.
+
+    Args:
+      module: from :func:`build`.
+      params: unboxed params.
+      tokens: [B, T] token ids; padding may be on either side.
+      mask: [B, T] True at real tokens. Outputs at padding positions are finite but
+        meaningless.
+      positions: [B, T] position ids; default counts real tokens from 0 in each row.
+
+    Returns:
+      [B, T, V] float32 logits for an LM, [B, T] float32 values for a scalar head.
+    """
+    if positions is None:
+        positions = positions_from_mask(mask)
+    attn_mask = causal_mask(mask, tokens.shape[1], 0, module.cfg.sliding_window)
+    out, _ = module.apply({"params": params}, tokens, positions, attn_mask)
+    return out
+
+
+def forward_with_cache(
+    module: nn.Module,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    cache: KVCache,
+    cache_mask: Bool[Array, "B S"],
+    cache_index: Int[Array, ""],
+) -> tuple[Float[Array, "B T ..."], KVCache]:
+    """Forward T new tokens written at slots [cache_index, cache_index + T) of the cache.
+
+    ``cache_mask`` marks which slots hold real tokens *including* the new ones. Used for
+    prefill (T = prompt length, cache_index = 0) and decode (T = 1).
+    """
+    attn_mask = causal_mask(cache_mask, tokens.shape[1], cache_index, module.cfg.sliding_window)
+    return module.apply({"params": params}, tokens, positions, attn_mask, cache, cache_index)
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype | None = None
+) -> KVCache:
+    """Zero KV cache [L, B, S, K, H] for ``length`` slots."""
+    shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.dim_per_head)
+    dtype = dtype or cfg.compute_dtype
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def last_token_index(mask: Bool[Array, "B T"]) -> Int[Array, " B"]:
+    """Index of each row's last real token (0 for an all-padding row)."""
+    t = mask.shape[-1]
+    idx = t - 1 - jnp.argmax(jnp.flip(mask.astype(bool), axis=-1), axis=-1)
+    return jnp.where(mask.any(-1), idx, 0)
+
+
+def last_token_values(values: Float[Array, "B T"], mask: Bool[Array, "B T"]) -> Float[Array, " B"]:
+    """Reward-model readout: the scalar head's value at each row's last real token."""
+    idx = last_token_index(mask)
+    return jnp.take_along_axis(values, idx[:, None], axis=-1)[:, 0]
+
+
+def param_count(params_or_abstract: Any) -> int:
+    """Total number of parameters in a (possibly abstract) param tree."""
+    return sum(int(x.size) for x in jax.tree.leaves(params_or_abstract))

@@ -1,0 +1,350 @@
+"""Decoder-only transformer (Flax Linen) covering Llama, Mistral, Qwen2, Gemma and GPT-2.
+
+Layers run under ``nn.scan`` with parameters stacked on a leading ``layers`` axis, so compile
+time does not grow with depth. Every parameter carries logical axis names (models/axes.py);
+activations are constrained through an optional ``constrain`` callable supplied by the
+sharding package, so this module never names a mesh axis.
+
+Param tree (``CausalLM``)::
+
+    decoder/embed/embedding            [V, D]     (vocab, embed)
+    decoder/pos_embed/embedding        [P, D]     (positions, embed)        GPT-2 only
+    decoder/layers/attn_norm/scale     [L, D]     (layers, norm)            (+ bias for LayerNorm)
+    decoder/layers/attn/q_kernel       [L, D, N, H]
+    decoder/layers/attn/k_kernel       [L, D, K, H]   v_kernel alike
+    decoder/layers/attn/o_kernel       [L, N, H, D]   (+ q/k/v/o biases where configured)
+    decoder/layers/mlp_norm/scale      [L, D]
+    decoder/layers/mlp/gate_kernel     [L, D, F]  up_kernel alike (gate only when gated)
+    decoder/layers/mlp/down_kernel     [L, F, D]
+    decoder/final_norm/scale           [D]
+    lm_head                            [D, V]     (embed, vocab)            untied models only
+``ScalarModel`` has ``score [D, 1]`` (embed, scalar) instead of ``lm_head`` (value or reward
+head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrlhf.models import axes
+from jaxrlhf.models.attention import apply_rope, dot_product_attention, rope_inverse_frequencies
+from jaxrlhf.models.config import ModelConfig
+
+Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
+
+
+def no_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """The default activation constraint: leave layout to the compiler."""
+    del names
+    return x
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer key/value cache, stacked over layers.
+
+    Attributes:
+      k: [L, B, S, K, H] keys, already rotated by RoPE.
+      v: [L, B, S, K, H] values.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @staticmethod
+    def logical_axes() -> tuple[str | None, ...]:
+        return (axes.LAYERS, axes.CACHE_BATCH, axes.CACHE_LENGTH, axes.CACHE_HEADS, None)
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, init) -> jax.Array:
+    cfg: ModelConfig = module.cfg
+    return module.param(
+        name, nn.with_logical_partitioning(init, names), shape, cfg.weight_dtype
+    ).astype(cfg.compute_dtype)
+
+
+def _dense_init(cfg: ModelConfig):
+    return nn.initializers.normal(stddev=cfg.initializer_range)
+
+
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+class Norm(nn.Module):
+    """RMSNorm (optionally Gemma's ``1 + w`` scale) or LayerNorm, computed in float32."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        cfg = self.cfg
+        dim = x.shape[-1]
+        scale_init = nn.initializers.zeros if cfg.norm_unit_offset else nn.initializers.ones
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(scale_init, (axes.NORM,)),
+            (dim,),
+            cfg.weight_dtype,
+        ).astype(jnp.float32)
+        h = x.astype(jnp.float32)
+        if cfg.norm_type == "layer":
+            h = h - h.mean(-1, keepdims=True)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + cfg.norm_eps)
+        if cfg.norm_unit_offset:
+            scale = 1.0 + scale
+        if cfg.norm_type == "layer":
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, (axes.NORM,)),
+                (dim,),
+                cfg.weight_dtype,
+            ).astype(jnp.float32)
+            return (h * scale + bias).astype(cfg.compute_dtype)
+        if cfg.norm_unit_offset:  # Gemma scales in float32, then casts
+            return (h * scale).astype(cfg.compute_dtype)
+        # Llama casts the normalised activations before the scale multiply.
+        return scale.astype(cfg.compute_dtype) * h.astype(cfg.compute_dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        positions: Int[Array, "B T"],
+        mask: Bool[Array, "B T S"],
+        cache: tuple[jax.Array, jax.Array] | None,
+        cache_index: Int[Array, ""] | None,
+    ) -> tuple[Float[Array, "B T D"], tuple[jax.Array, jax.Array] | None]:
+        cfg = self.cfg
+        d, n, k_heads, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        init = _dense_init(cfg)
+        zeros = nn.initializers.zeros
+
+        def project(name: str, heads: int, head_axis: str) -> jax.Array:
+            kernel = _param(
+                self, f"{name}_kernel", (d, heads, h), (axes.EMBED, head_axis, axes.HEAD_DIM), init
+            )
+            out = jnp.einsum("BTD,DNH->BTNH", x, kernel)
+            if cfg.qkv_bias:
+                out = out + _param(
+                    self, f"{name}_bias", (heads, h), (head_axis, axes.HEAD_DIM), zeros
+                )
+            return self.constrain(out, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+
+        q = project("q", n, axes.HEADS)
+        k = project("k", k_heads, axes.KV_HEADS)
+        v = project("v", k_heads, axes.KV_HEADS)
+        if cfg.position_embedding == "rope":
+            inv_freq = rope_inverse_frequencies(cfg)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+
+        new_cache = None
+        if cache is not None:
+            cache_k, cache_v = cache
+            start = (0, cache_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
+            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+            new_cache = (k, v)
+            k, v = k.astype(cfg.compute_dtype), v.astype(cfg.compute_dtype)
+
+        out = dot_product_attention(q, k, v, mask, scale=h**-0.5, impl=cfg.attention_impl)
+        o_kernel = _param(
+            self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init
+        )
+        out = jnp.einsum("BTNH,NHD->BTD", out, o_kernel)
+        if cfg.out_bias:
+            out = out + _param(self, "o_bias", (d,), (axes.EMBED,), zeros)
+        return out, new_cache
+
+
+class Mlp(nn.Module):
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        cfg = self.cfg
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        init, zeros = _dense_init(cfg), nn.initializers.zeros
+        act = _ACTIVATIONS[cfg.activation]
+        act_names = (axes.BATCH, axes.LENGTH, axes.ACT_MLP)
+
+        up = jnp.einsum(
+            "BTD,DF->BTF", x, _param(self, "up_kernel", (d, f), (axes.EMBED, axes.MLP), init)
+        )
+        if cfg.mlp_bias:
+            up = up + _param(self, "up_bias", (f,), (axes.MLP,), zeros)
+        if cfg.gated_mlp:
+            gate_kernel = _param(self, "gate_kernel", (d, f), (axes.EMBED, axes.MLP), init)
+            gate = jnp.einsum("BTD,DF->BTF", x, gate_kernel)
+            if cfg.mlp_bias:
+                gate = gate + _param(self, "gate_bias", (f,), (axes.MLP,), zeros)
+            hidden = act(gate) * up
+        else:
+            hidden = act(up)
+        hidden = self.constrain(hidden, act_names)
+        down_kernel = _param(self, "down_kernel", (f, d), (axes.MLP, axes.EMBED), init)
+        out = jnp.einsum("BTF,FD->BTD", hidden, down_kernel)
+        if cfg.mlp_bias:
+            out = out + _param(self, "down_bias", (d,), (axes.EMBED,), zeros)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Scanned over layers."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, cache_index):
+        residual_names = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
+        attn_out, new_cache = Attention(self.cfg, self.constrain, name="attn")(
+            Norm(self.cfg, name="attn_norm")(x), positions, mask, cache, cache_index
+        )
+        x = self.constrain(x + attn_out, residual_names)
+        x = x + Mlp(self.cfg, self.constrain, name="mlp")(Norm(self.cfg, name="mlp_norm")(x))
+        return self.constrain(x, residual_names), new_cache
+
+
+class Decoder(nn.Module):
+    """Embeddings, the scanned layer stack and the final norm: tokens -> hidden states."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        emb_init = nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=cfg.initializer_range), (axes.VOCAB, axes.EMBED)
+        )
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            embedding_init=emb_init,
+            param_dtype=cfg.weight_dtype,
+            dtype=cfg.compute_dtype,
+        )
+        if cfg.position_embedding == "learned":
+            pos_init = nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=cfg.initializer_range),
+                (axes.POSITIONS, axes.EMBED),
+            )
+            self.pos_embed = nn.Embed(
+                cfg.max_position_embeddings,
+                cfg.hidden_size,
+                embedding_init=pos_init,
+                param_dtype=cfg.weight_dtype,
+                dtype=cfg.compute_dtype,
+            )
+        layer = DecoderLayer
+        if cfg.remat != "none":
+            layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        self.layers = nn.scan(
+            layer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
+        )(cfg, self.constrain)
+        self.final_norm = Norm(cfg)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        mask: Bool[Array, "B T S"],
+        cache: KVCache | None = None,
+        cache_index: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "B T D"], KVCache | None]:
+        cfg = self.cfg
+        x = self.embed(tokens)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=cfg.compute_dtype)
+        if cfg.position_embedding == "learned":
+            x = x + self.pos_embed(positions)
+        x = self.constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+        layer_cache = None if cache is None else (cache.k, cache.v)
+        x, new_layer_cache = self.layers(x, positions, mask, layer_cache, cache_index)
+        new_cache = None if cache is None else KVCache(*new_layer_cache)
+        return self.final_norm(x), new_cache
+
+    def attend(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """Tied LM head: logits = hidden · embeddingᵀ."""
+        return self.embed.attend(hidden)
+
+
+class CausalLM(nn.Module):
+    """Decoder with a language-model head. Returns float32 logits [B, T, V]."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, tokens, positions, mask, cache=None, cache_index=None):
+        cfg = self.cfg
+        decoder = Decoder(cfg, self.constrain, name="decoder")
+        hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
+        if cfg.tie_embeddings:
+            logits = decoder.attend(hidden)
+        else:
+            kernel = _param(
+                self,
+                "lm_head",
+                (cfg.hidden_size, cfg.vocab_size),
+                (axes.EMBED, axes.VOCAB),
+                _dense_init(cfg),
+            )
+            logits = jnp.einsum("BTD,DV->BTV", hidden, kernel)
+        logits = self.constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
+        return logits.astype(jnp.float32), new_cache
+
+
+class ScalarModel(nn.Module):
+    """Decoder with a scalar head (``score``, no bias): per-token values [B, T] in float32.
+
+    Used as the critic (value per token) and as the reward model (the value at each row's
+    last real token, see :func:`jaxrlhf.models.heads.last_token_values`).
+    """
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, tokens, positions, mask, cache=None, cache_index=None):
+        cfg = self.cfg
+        hidden, new_cache = Decoder(cfg, self.constrain, name="decoder")(
+            tokens, positions, mask, cache, cache_index
+        )
+        kernel = _param(
+            self, "score", (cfg.hidden_size, 1), (axes.EMBED, axes.SCALAR), _dense_init(cfg)
+        )
+        values = jnp.einsum("BTD,DO->BTO", hidden, kernel)[..., 0]
+        return values.astype(jnp.float32), new_cache
+
+
+HEADS: dict[str, Any] = {"lm": CausalLM, "scalar": ScalarModel}
