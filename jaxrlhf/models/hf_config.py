@@ -95,6 +95,16 @@ _GPT2 = {
     "layer_norm_epsilon": "norm_eps",
     "tie_word_embeddings": "tie_embeddings",
 }
+_OPTIONAL = {
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "n_inner",
+    "layer_norm_epsilon",
+    "n_positions",
+}
 # attribute -> the only value we implement (None means "must be absent or null").
 _CHECKED: dict[str, dict[str, Any]] = {
     "llama": {"hidden_act": "silu"},
@@ -183,6 +193,9 @@ def from_hf_config(
     if hf.get("num_labels", 1) != 1 or len(hf.get("id2label") or {0: 0}) != 1:
         raise UnsupportedConfigError(f"{source}: only single-label (scalar) heads are supported")
 
+    required = [k for k in mapping if k not in _OPTIONAL and hf.get(k) is None]
+    if required:
+        raise UnsupportedConfigError(f"{source}: missing required {family} attributes {required}")
     fields: dict[str, Any] = {
         ours: hf[theirs] for theirs, ours in mapping.items() if hf.get(theirs) is not None
     }

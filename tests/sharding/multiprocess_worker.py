@@ -6,9 +6,8 @@ CPU devices, so the job has 8 global devices arranged as a ``(DATA, FSDP, TENSOR
 The test also imports ``compute`` and runs it in one process on 8 devices, where the local
 batch is the global batch.
 
-To check a real model multi-host, replace ``compute`` (keep its signature): build the
-params from a seed with their logical specs, place them with ``logical_to_shardings``, and
-return small, fully gathered numpy arrays.
+``compute`` runs the tiny Llama model sharded under the TRAIN rules and returns fully
+gathered numpy arrays.
 """
 
 from __future__ import annotations
@@ -19,85 +18,70 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.models import axes as ax
-from jaxrlhf.sharding import (
-    TRAIN,
-    MeshConfig,
-    activation_sharding,
-    distributed,
-    logical_to_shardings,
-    make_mesh,
-)
+from jaxrlhf.models import model as M
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.sharding import TRAIN, MeshConfig, activation_sharding, distributed, make_mesh
+from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 4
 SEED = 0
-B, D, F = 16, 8, 32  # batch, model width, MLP width
-
-LOGICAL_SPECS = {"w_in": P(ax.EMBED, ax.MLP), "w_out": P(ax.MLP, ax.EMBED)}
+B, T = 16, 8  # batch rows, sequence length
 
 
-def make_batch() -> np.ndarray:
-    """The global input batch [B, D], the same in every process."""
-    return np.random.default_rng(SEED + 1).standard_normal((B, D)).astype(np.float32)
+def model_config() -> ModelConfig:
+    return ModelConfig.tiny("llama", initializer_range=0.3)
 
 
-def make_params() -> dict[str, np.ndarray]:
-    """Host copies of the MLP weights, deterministic from ``SEED``."""
-    rng = np.random.default_rng(SEED)
-    return {
-        "w_in": (rng.standard_normal((D, F)) / np.sqrt(D)).astype(np.float32),
-        "w_out": (rng.standard_normal((F, D)) / np.sqrt(F)).astype(np.float32),
-    }
+def make_batch() -> dict[str, np.ndarray]:
+    """The global left-padded batch (tokens [B, T], mask [B, T]), the same in every process."""
+    rng = np.random.default_rng(SEED + 1)
+    tokens = rng.integers(1, model_config().vocab_size, (B, T)).astype(np.int32)
+    lengths = rng.integers(2, T + 1, B)
+    mask = np.arange(T)[None] >= (T - lengths)[:, None]
+    return {"tokens": np.where(mask, tokens, 0).astype(np.int32), "mask": mask}
 
 
 def batch_spec(mesh: Mesh) -> P:
-    """Mesh-axis spec of the [B, D] batch under the TRAIN rules."""
-    return activation_sharding(mesh, TRAIN, (ax.BATCH, ax.ACT_EMBED)).spec
+    """Mesh-axis spec of [B, T] batch arrays under the TRAIN rules."""
+    return activation_sharding(mesh, TRAIN, (ax.BATCH, ax.LENGTH)).spec
 
 
-def compute(mesh: Mesh, local_batch: np.ndarray) -> dict[str, np.ndarray]:
-    """2-layer MLP forward with FSDP-sharded weights; results gathered to every process.
+def compute(mesh: Mesh, local_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sharded forward of the tiny Llama model; results gathered to every process.
+
+    Params are initialised directly in their TRAIN shardings (FSDP on the model width,
+    tensor parallel on heads/MLP/vocab), so on a (1, 8, 1) mesh every layer's weight
+    all-gather crosses the process boundary.
 
     Args:
       mesh: the global mesh.
       local_batch: this process's rows of ``make_batch()`` (all rows with one process).
 
     Returns:
-      ``{"rows": [B] per-row sum of outputs, "loss": [] mean of squared outputs}`` as numpy.
+      ``{"logits": [B, T, V], "loss": []}`` as numpy, identical on every process.
     """
-    host = make_params()
-    shardings = logical_to_shardings(LOGICAL_SPECS, mesh, TRAIN, shapes=host)
-    # make_array_from_callback builds each process's shards from the host copy, without
-    # assuming the sharding is fully addressable.
-    params = {
-        name: jax.make_array_from_callback(value.shape, shardings[name], lambda i, v=value: v[i])
-        for name, value in host.items()
-    }
-    x = distributed.global_batch_from_local(local_batch, mesh, batch_spec(mesh))
-    # On a (1, 8, 1) mesh the fsdp axis spans both processes, so the weight all-gathers
-    # cross the process boundary; on (2, 4, 1) the batch reduction of the loss does.
-    assert params["w_in"].sharding.spec == P("fsdp", "tensor"), params["w_in"].sharding
-    assert x.sharding.spec == P(("data", "fsdp"), None), x.sharding
-
-    rows_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    cfg = model_config()
+    shardings = param_shardings(cfg, mesh, TRAIN)
+    params = M.init_params(cfg, jax.random.key(SEED), shardings=shardings)
+    batch = distributed.global_batch_from_local(local_batch, mesh, batch_spec(mesh))
+    module = build_sharded(cfg, mesh, TRAIN)
 
     @jax.jit
-    def forward(params, x):
-        h = jnp.tanh(x @ params["w_in"])
-        y = h @ params["w_out"]
-        rows = jax.lax.with_sharding_constraint(jnp.sum(y, axis=-1), rows_sharding)
-        return rows, jnp.mean(y**2)
+    def forward(params, tokens, mask):
+        logits = M.forward(module, params, tokens, mask)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+        target_mask = mask[:, 1:] & mask[:, :-1]
+        return logits, (nll * target_mask).sum() / target_mask.sum()
 
-    rows, loss = forward(params, x)
-    # jit drops size-1 mesh axes from output specs (P("fsdp") on a data=1 mesh), so
-    # compare layouts, not spellings.
-    assert rows.sharding.is_equivalent_to(rows_sharding, rows.ndim), rows.sharding
+    logits, loss = forward(params, batch["tokens"], batch["mask"])
     return {
-        "rows": np.asarray(multihost_utils.process_allgather(rows, tiled=True)),
+        "logits": np.asarray(multihost_utils.process_allgather(logits, tiled=True)),
         "loss": np.asarray(multihost_utils.process_allgather(loss, tiled=True)),
     }
 
@@ -119,8 +103,9 @@ def main(argv: list[str]) -> None:
 
     mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
     batch = make_batch()
-    local = batch[distributed.process_local_slice(mesh, batch_spec(mesh), batch.shape)]
-    assert local.shape == (B // NUM_PROCESSES, D), local.shape
+    rows = distributed.process_local_slice(mesh, batch_spec(mesh), (B, T))
+    local = {k: v[rows] for k, v in batch.items()}
+    assert local["tokens"].shape == (B // NUM_PROCESSES, T), local["tokens"].shape
     result = compute(mesh, local)
     np.savez(out_path, process_index=jax.process_index(), **result)
 

@@ -1,0 +1,118 @@
+"""Bad checkpoints give one-line errors that say what is wrong and where."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxrlhf.models.hf_checkpoint import load_hf
+from jaxrlhf.models.safetensors_io import CheckpointError
+from tests.models.hf_fixtures import make_hf_model
+
+pytest.importorskip("torch")
+
+
+def _one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_missing_safetensors_file(llama_dir):
+    os.remove(llama_dir / "model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    msg = _one_line(e)
+    assert "no model.safetensors or model.safetensors.index.json" in msg and str(llama_dir) in msg
+
+
+def test_shard_listed_in_index_but_missing(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    victim = sorted(set(index["weight_map"].values()))[1]
+    os.remove(tmp_path / victim)
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(tmp_path))
+    assert "safetensors file not found" in _one_line(e) and victim in str(e.value)
+
+
+def test_pickle_only_checkpoint_is_refused(llama_dir):
+    os.remove(llama_dir / "model.safetensors")
+    (llama_dir / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    assert "never pickle" in _one_line(e) and "pytorch_model.bin" in str(e.value)
+
+
+def test_incomplete_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(tmp_path))
+    assert "missing required llama attributes ['hidden_size'" in _one_line(e)
+
+
+def test_tensor_with_wrong_shape(llama_dir):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(llama_dir / "model.safetensors")
+    key = "model.layers.1.mlp.up_proj.weight"
+    tensors[key] = np.zeros((63, 32), np.float32)
+    save_file(tensors, llama_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    msg = _one_line(e)
+    assert key in msg and "[63, 32]" in msg and "[64, 32]" in msg and "model.safetensors" in msg
+
+
+def test_missing_and_extra_tensors(llama_dir):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(llama_dir / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, llama_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no tensor 'model.layers.0.self_attn.k_proj.weight'"):
+        load_hf(str(llama_dir))
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 32), np.float32)
+    tensors["model.layers.0.self_attn.extra_proj.weight"] = np.zeros((2, 2), np.float32)
+    save_file(tensors, llama_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="extra_proj"):
+        load_hf(str(llama_dir))
+
+
+def test_unsupported_architecture(llama_dir):
+    cfg = json.load(open(llama_dir / "config.json"))
+    cfg["model_type"] = "mixtral"
+    (llama_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    msg = _one_line(e)
+    assert "model_type 'mixtral' is not supported" in msg and "config.json" in msg
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"mystery_option": 3}, "unsupported llama config attributes ['mystery_option']"),
+        ({"hidden_act": "relu"}, "unsupported llama values {'hidden_act': 'relu'}"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+            "rope type 'yarn' is not supported",
+        ),
+    ],
+)
+def test_unsupported_config_fields_are_named(llama_dir, change, expected):
+    cfg = json.load(open(llama_dir / "config.json"))
+    cfg.update(change)
+    (llama_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    assert expected in _one_line(e)
