@@ -1,0 +1,287 @@
+"""The model, run for generation: prompt prefill and one-token decode steps.
+
+Prefill is the model itself (``jaxrlhf.models.transformer.Decoder`` with its own KV cache),
+so prompt processing is the training forward pass; only the LM head is applied to each row's
+last real token instead of every position.
+
+Decode runs the same parameters through a loop over layers written for one new token per
+row against the head-major, prefix-shared cache of ``generation/cache.py``. It reuses the
+model's ``Norm`` and ``Mlp`` modules, its embedding and head, RoPE and the parameter names;
+only the attention block is re-expressed, because the model's attention reads its
+``[L, B, S, K, H]`` cache through a layer scan that copies and transposes the cache on every
+step (see the cache module docstring; tests/generation/test_decode.py checks decode logits
+against ``models.model.forward`` for every family).
+
+Attention of a decode query at position ``q`` sees a prompt slot that holds a real token at
+position ``p <= q`` and every generated slot up to its own; with a sliding window ``W`` only
+keys with ``q - p < W``. Positions, not slot indices, decide, so left and right padding both
+work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrlhf.generation.cache import DecodeCache
+from jaxrlhf.models import axes
+from jaxrlhf.models.attention import (
+    apply_rope,
+    causal_mask,
+    positions_from_mask,
+    rope_inverse_frequencies,
+)
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.model import init_cache, last_token_index
+from jaxrlhf.models.transformer import Constrain, Decoder, Mlp, Norm
+
+Params = Any
+_MASKED = jnp.finfo(jnp.float32).min  # finite, as in models/attention.py
+
+
+def lm_head(
+    cfg: ModelConfig, decoder: Decoder, params: Params, hidden: Float[Array, "B D"]
+) -> Float[Array, "B V"]:
+    """The CausalLM head on final hidden states: tied embedding or ``lm_head``, float32."""
+    if cfg.tie_embeddings:
+        logits = decoder.attend(hidden)
+    else:
+        logits = jnp.einsum("BD,DV->BV", hidden, params["lm_head"].astype(cfg.compute_dtype))
+    return logits.astype(jnp.float32)
+
+
+def prefill(
+    cfg: ModelConfig,
+    constrain: Constrain,
+    params: Params,
+    tokens: Int[Array, "B P"],
+    mask: Bool[Array, "B P"],
+) -> tuple[Float[Array, "B V"], DecodeCache, Int[Array, "B P"]]:
+    """Runs the prompts through the model once.
+
+    Args:
+      cfg, constrain: the model config and its activation constraint.
+      params: LM params (``{"decoder": ..., "lm_head": ...}``).
+      tokens: [B, P] prompt ids, any padding side.
+      mask: [B, P] True at real tokens; every row needs at least one.
+
+    Returns:
+      ``(logits, cache, positions)``: next-token float32 logits [B, V] at each row's last
+      real token; a DecodeCache holding the prompt prefix (its generated-token part is
+      empty tuples, filled by the sampler); the prompt position ids [B, P].
+    """
+    batch, length = tokens.shape
+    positions = positions_from_mask(mask)
+    decoder = Decoder(cfg, constrain).bind({"params": params["decoder"]})
+    attn_mask = causal_mask(mask, length, 0, cfg.sliding_window)
+    model_cache = init_cache(cfg, batch, length)
+    hidden, model_cache = decoder(tokens, positions, attn_mask, model_cache, jnp.asarray(0))
+    last = jnp.take_along_axis(hidden, last_token_index(mask)[:, None, None], axis=1)[:, 0]
+    logits = lm_head(cfg, decoder, params, last)
+    layers = range(cfg.num_layers)
+    # [L, B, P, K, H] -> per layer [B, K, H, P] and [B, K, P, H], once per prefill.
+    cache = DecodeCache(
+        prefix_k=tuple(model_cache.k[i].transpose(0, 2, 3, 1) for i in layers),
+        prefix_v=tuple(model_cache.v[i].transpose(0, 2, 1, 3) for i in layers),
+        k=(),
+        v=(),
+    )
+    return logits, cache, positions
+
+
+def split_layers(params: Params, num_layers: int) -> list[Params]:
+    """Per-layer views of the stacked layer params.
+
+    Called once per decode call, outside the token loop: XLA hoists the slices out of the
+    loop, so each layer's weights are read in place on every step (a layer scan would
+    dynamic-slice, and on CPU copy, every layer's weights on every step).
+    """
+    stacked = params["decoder"]["layers"]
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
+
+
+def _project(
+    cfg: ModelConfig, p: Params, x: Float[Array, "R 1 D"], name: str
+) -> Float[Array, "R 1 N H"]:
+    out = jnp.einsum("BTD,DNH->BTNH", x, p[f"{name}_kernel"].astype(cfg.compute_dtype))
+    if cfg.qkv_bias:
+        out = out + p[f"{name}_bias"].astype(cfg.compute_dtype)
+    return out
+
+
+def _group(x: jax.Array, groups: int, n: int) -> jax.Array:
+    """[B*n, K, G, X] sample rows -> [B, K, n*G, X]: a group's rows side by side per head."""
+    rows, k, g, last = x.shape
+    return x.reshape(groups, n, k, g, last).transpose(0, 2, 1, 3, 4).reshape(groups, k, n * g, last)
+
+
+def _ungroup(x: jax.Array, n: int) -> jax.Array:
+    """Inverse of :func:`_group`."""
+    groups, k, ng, last = x.shape
+    g = ng // n
+    return x.reshape(groups, k, n, g, last).transpose(0, 2, 1, 3, 4).reshape(groups * n, k, g, last)
+
+
+def _attend_shared(q, layer, prefix_ok, generated_ok, scale):
+    """Attention over a shared prompt prefix plus per-sample generated slots (n > 1)."""
+    prefix_k, prefix_v, gen_k, gen_v = layer
+    rows, groups = q.shape[0], prefix_k.shape[0]
+    n = rows // groups
+    dtype = q.dtype
+    scores_prefix = jnp.einsum(
+        "BKMH,BKHP->BKMP",
+        _group(q, groups, n),
+        prefix_k.astype(dtype),
+        preferred_element_type=jnp.float32,
+    )  # [B, K, n*G, P]: the n samples of a group as n*G query rows of one matmul
+    scores_prefix = jnp.where(prefix_ok, scores_prefix * scale, _MASKED)
+    scores_gen = jnp.einsum(
+        "RKGH,RKHT->RKGT", q, gen_k.astype(dtype), preferred_element_type=jnp.float32
+    )
+    scores_gen = jnp.where(generated_ok, scores_gen * scale, _MASKED)
+    scores = jnp.concatenate([_ungroup(scores_prefix, n), scores_gen], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    prompt_len = prefix_k.shape[-1]
+    out_prefix = jnp.einsum(
+        "BKMP,BKPH->BKMH", _group(probs[..., :prompt_len], groups, n), prefix_v.astype(dtype)
+    )
+    out_gen = jnp.einsum("RKGT,RKTH->RKGH", probs[..., prompt_len:], gen_v.astype(dtype))
+    return _ungroup(out_prefix, n) + out_gen
+
+
+def _attend_joint(q, layer, ok, scale):
+    """Attention over one per-row cache holding prompt and generated slots (n = 1)."""
+    _, _, k, v = layer
+    scores = jnp.einsum("RKGH,RKHS->RKGS", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(jnp.where(ok, scores * scale, _MASKED), axis=-1).astype(q.dtype)
+    return jnp.einsum("RKGS,RKSH->RKGH", probs, v.astype(q.dtype))
+
+
+def _attention(
+    cfg: ModelConfig,
+    constrain: Constrain,
+    p: Params,
+    x: Float[Array, "R 1 D"],
+    positions: Int[Array, "R 1"],
+    layer: tuple[jax.Array | None, jax.Array | None, jax.Array, jax.Array],
+    slot: Int[Array, ""],
+    masks: tuple[jax.Array, ...],
+) -> tuple[Float[Array, "R 1 D"], jax.Array, jax.Array]:
+    prefix_k, prefix_v, gen_k, gen_v = layer
+    rows = x.shape[0]
+    n_heads, kv, h = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+    names = (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None)
+    q = constrain(_project(cfg, p, x, "q"), names)
+    k = constrain(_project(cfg, p, x, "k"), names)
+    v = constrain(_project(cfg, p, x, "v"), names)
+    if cfg.position_embedding == "rope":
+        inv_freq = rope_inverse_frequencies(cfg)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+    # Write this token's key/value into its slot (in place: the cache is the loop carry).
+    gen_k = jax.lax.dynamic_update_slice(
+        gen_k, k.transpose(0, 2, 3, 1).astype(gen_k.dtype), (0, 0, 0, slot)
+    )
+    gen_v = jax.lax.dynamic_update_slice(
+        gen_v, v.transpose(0, 2, 1, 3).astype(gen_v.dtype), (0, 0, slot, 0)
+    )
+    q = q.reshape(rows, kv, n_heads // kv, h)  # [R, K, G, H]; query head n reads kv head n // G
+    layer = (prefix_k, prefix_v, gen_k, gen_v)
+    if prefix_k is None:
+        out = _attend_joint(q, layer, *masks, scale=h**-0.5)
+    else:
+        out = _attend_shared(q, layer, *masks, scale=h**-0.5)
+    # A plain [R, N*H] x [N*H, D] matmul. Written as the model's "BTNH,NHD->BTD" einsum, XLA
+    # (CPU) transposes o_kernel to match the attention output's layout on every step.
+    o_kernel = p["o_kernel"].astype(cfg.compute_dtype).reshape(n_heads * h, cfg.hidden_size)
+    out = (out.reshape(rows, n_heads * h) @ o_kernel)[:, None, :]
+    if cfg.out_bias:
+        out = out + p["o_bias"].astype(cfg.compute_dtype)
+    return out, gen_k, gen_v
+
+
+def decode_step(
+    cfg: ModelConfig,
+    constrain: Constrain,
+    params: Params,
+    layers: list[Params],
+    tokens: Int[Array, " R"],
+    positions: Int[Array, " R"],
+    cache: DecodeCache,
+    step: Int[Array, ""],
+    prefix_mask: Bool[Array, "B P"],
+    prefix_positions: Int[Array, "B P"],
+) -> tuple[Float[Array, "R V"], DecodeCache]:
+    """Forward of one new token per row, written into generated slot ``step``.
+
+    Args:
+      cfg, constrain: model config and activation constraint.
+      params: LM params; ``layers`` is ``split_layers(params, L)``.
+      tokens: [R] the new token of each sample row (R = B * n, prompt-major).
+      positions: [R] its position id.
+      cache: the cache; generated slots ``> step`` may hold anything (they are masked).
+      step: index of the new token among the generated ones.
+      prefix_mask: [B] x [P] real prompt tokens; prefix_positions: their position ids.
+
+    Returns:
+      ``(logits [R, V] float32, cache with slot step written)``.
+    """
+    rows = tokens.shape[0]
+    groups = prefix_mask.shape[0]
+    n = rows // groups
+    decoder = Decoder(cfg, constrain).bind({"params": params["decoder"]})
+    residual = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
+    x = decoder.embed(tokens[:, None])
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=cfg.compute_dtype)
+    if cfg.position_embedding == "learned":
+        x = x + decoder.pos_embed(positions[:, None])
+    x = constrain(x, residual)
+
+    # Masks, the same for every layer. Generated slot j holds this row's token j (the same
+    # for every row); prompt slots hold real tokens where prefix_mask is True.
+    num_gen = cache.k[0].shape[-1] - (0 if cache.shared_prefix else prefix_mask.shape[1])
+    gen_slots = jnp.arange(num_gen)
+    prefix_ok = prefix_mask
+    generated_ok = gen_slots <= step
+    if cfg.sliding_window is not None:
+        q_pos = positions.reshape(groups, n)[:, :1]  # the samples of a group share positions
+        prefix_ok &= q_pos - prefix_positions < cfg.sliding_window
+        generated_ok &= step - gen_slots < cfg.sliding_window
+    if cache.shared_prefix:  # [B, 1, 1, P] and [T]
+        masks, slot = (prefix_ok[:, None, None, :], generated_ok), step
+    else:  # one [R, 1, 1, P + T] mask over the joint cache
+        ok = jnp.concatenate([prefix_ok, jnp.broadcast_to(generated_ok, (rows, num_gen))], 1)
+        masks, slot = (ok[:, None, None, :],), prefix_mask.shape[1] + step
+
+    norm = Norm(cfg)
+    mlp = Mlp(cfg, constrain)
+    new_k, new_v = [], []
+    for i, p in enumerate(layers):
+        if cache.shared_prefix:
+            layer_cache = (cache.prefix_k[i], cache.prefix_v[i], cache.k[i], cache.v[i])
+        else:
+            layer_cache = (None, None, cache.k[i], cache.v[i])
+        h = norm.apply({"params": p["attn_norm"]}, x)
+        attn_out, k, v = _attention(
+            cfg,
+            constrain,
+            p["attn"],
+            h,
+            positions[:, None],
+            layer_cache,
+            slot,
+            masks,
+        )
+        x = constrain(x + attn_out, residual)
+        x = x + mlp.apply({"params": p["mlp"]}, norm.apply({"params": p["mlp_norm"]}, x))
+        x = constrain(x, residual)
+        new_k.append(k)
+        new_v.append(v)
+    hidden = decoder.final_norm(x)[:, 0]
+    logits = lm_head(cfg, decoder, params, hidden)
+    logits = constrain(logits, (axes.BATCH, axes.ACT_VOCAB))
+    return logits, cache.replace(k=tuple(new_k), v=tuple(new_v))
