@@ -1,0 +1,532 @@
+"""The run config: component configs composed into one typed, validated ``RunConfig``.
+
+Each component keeps its own frozen dataclass next to its code (``DataConfig`` in
+``jaxrlhf.data``, ``OptimizerConfig`` in ``jaxrlhf.train.optim``, ``MeshConfig`` in
+``jaxrlhf.sharding``, one per algorithm in ``jaxrlhf.train``); this module only composes
+them, loads them from YAML with dotted command-line overrides, and checks what no single
+component can check alone (batch sizes against the mesh, sequence lengths against the
+model, the mesh against the devices).
+
+YAML layout (every section optional except ``algorithm``)::
+
+    algorithm: sft              # sft | reward_model | dpo
+    output_dir: runs/tiny_sft   # default: runs/<config file name>
+    model: {preset: tiny, hidden_size: 64}   # or {hf_dir: PATH, dtype: bfloat16}
+    tokenizer: {path: builtin}
+    data: {train: builtin:sort, max_length: 32, max_prompt_length: 16}
+    mesh: {data: -1, fsdp: 1, tensor: 1}
+    optimizer: {lr: 1.0e-3, warmup_steps: 10}
+    train: {steps: 200, batch_size: 32}
+    logging: {progress: auto}
+    checkpoint: {export_hf: true}
+    sft: {...}  reward_model: {...}  dpo: {...}   # the chosen algorithm's options
+
+Overrides are ``section.field=value`` with the value parsed as YAML (``optimizer.lr=1e-5``,
+``data.eval=null``, ``mesh.fsdp=4``). Every error is a :class:`ConfigError` whose message is
+one line naming the file (or ``command line``) and the field path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from jaxrlhf.data.config import DataConfig, TokenizerConfig
+from jaxrlhf.data.sources import BUILTIN_PREFIX
+from jaxrlhf.data.tasks import BUILTIN_TASKS
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.safetensors_io import CheckpointError
+from jaxrlhf.sharding.mesh import MeshConfig, MeshError, resolve_mesh_shape
+from jaxrlhf.train.config import CheckpointConfig, LoggingConfig, TrainConfig
+from jaxrlhf.train.dpo import DPOConfig
+from jaxrlhf.train.optim import OptimizerConfig
+from jaxrlhf.train.reward_model import RewardModelConfig
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
+from jaxrlhf.train.sft import SFTConfig
+
+ALGORITHMS = ("sft", "reward_model", "dpo", "ppo", "grpo")
+RL_ALGORITHMS = ("ppo", "grpo")
+COMMAND_LINE = "command line"
+PRESETS = (
+    "tiny",
+    "bench_s",
+    "bench_m",
+    "llama3_8b",
+    "llama2_7b",
+    "mistral_7b",
+    "qwen2_7b",
+    "gemma_2b",
+    "gpt2",
+)
+
+
+class ConfigError(ValueError):
+    """An invalid config. The message is one line: ``SOURCE: FIELD.PATH: problem``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The model section: a preset or a Hugging Face directory, plus ModelConfig overrides.
+
+    In YAML the overrides sit beside ``preset`` / ``hf_dir``:
+    ``model: {preset: tiny, family: gpt2, hidden_size: 64}`` or
+    ``model: {hf_dir: /ckpt/llama, dtype: bfloat16, remat: full}``.
+
+    Attributes:
+      preset: a ``ModelConfig`` classmethod name (``PRESETS``); random initialisation.
+      hf_dir: a local Hugging Face checkpoint; its config.json and weights are loaded.
+      family: for ``preset: tiny`` only, the architecture family (default llama).
+      overrides: ``ModelConfig`` fields to set on top.
+    """
+
+    preset: str | None = "tiny"
+    hf_dir: str | None = None
+    family: str | None = None
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.preset is None) == (self.hf_dir is None):
+            raise ValueError("set exactly one of model.preset and model.hf_dir")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"preset: expected one of {list(PRESETS)}, got {self.preset!r}")
+        if self.family is not None and self.preset != "tiny":
+            raise ValueError("family: only applies to preset 'tiny' (others fix their family)")
+
+    def resolve(self) -> ModelConfig:
+        """The ModelConfig (reads ``hf_dir/config.json``; no weights, no devices)."""
+        if self.hf_dir is not None:
+            from jaxrlhf.models.hf_config import load_hf_config
+
+            return load_hf_config(self.hf_dir, **self.overrides)
+        if self.preset == "tiny":
+            return ModelConfig.tiny(self.family or "llama", **self.overrides)
+        return getattr(ModelConfig, self.preset)(**self.overrides)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training run. See the module docstring for the YAML layout."""
+
+    algorithm: str
+    output_dir: str | None = None
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"algorithm: expected one of {list(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ---- typed loading ---------------------------------------------------------------------
+
+
+class _Context:
+    """Where values came from, for error messages."""
+
+    def __init__(self, source: str, override_paths: Iterable[str] = ()) -> None:
+        self.source = source
+        self.override_paths = frozenset(override_paths)
+
+    def source_of(self, path: str) -> str:
+        for p in self.override_paths:
+            if path == p or path.startswith(p + "."):
+                return COMMAND_LINE
+        return self.source
+
+    def fail(self, path: str, message: str) -> typing.NoReturn:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{self.source_of(path)}: {where}{message}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin is not None:
+        return getattr(origin, "__name__", str(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, ctx: _Context) -> Any:
+    """``value`` checked against (and, for numbers, converted to) the annotation ``tp``."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            ctx.fail(path, f"expected {_type_name(tp)}, got null")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path, ctx)
+            except ConfigError:
+                continue
+        ctx.fail(path, f"expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, ctx)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            (elem,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
+            return tuple(_coerce(v, elem, f"{path}[{i}]", ctx) for i, v in enumerate(value))
+    elif origin in (dict, Mapping) or tp in (dict, Mapping):
+        if isinstance(value, Mapping):
+            return dict(value)
+    else:
+        raise TypeError(f"config loader cannot check {path} of type {tp}")
+    ctx.fail(path, f"expected {_type_name(tp)}, got {value!r}")
+
+
+def _unknown(path: str, key: str, valid: Iterable[str], ctx: _Context) -> typing.NoReturn:
+    valid = sorted(valid)
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    ctx.fail(_join(path, str(key)), f"unknown key ({hint}valid: {', '.join(valid)})")
+
+
+def _construct(cls: type, kwargs: dict[str, Any], path: str, ctx: _Context) -> Any:
+    """``cls(**kwargs)``, turning ``__post_init__`` errors into field-named ConfigErrors.
+
+    Component configs raise ``ValueError("field: problem")``; the field is prefixed with the
+    section path. Other messages (e.g. MeshError's ``mesh.data must be ...``) are kept.
+    """
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        m = re.match(r"(\w+): (.*)", message)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if m and m.group(1) in names:
+            ctx.fail(_join(path, m.group(1)), m.group(2))
+        if path and message.startswith(path + "."):
+            raise ConfigError(f"{ctx.source_of(path)}: {message}") from None
+        ctx.fail(path, message)
+
+
+def _build(cls: type, data: Any, path: str, ctx: _Context) -> Any:
+    if cls is ModelSpec:
+        return _build_model(data, path, ctx)
+    if not isinstance(data, Mapping):
+        ctx.fail(path, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            _unknown(path, key, fields, ctx)
+        kwargs[key] = _coerce(value, hints[key], _join(path, key), ctx)
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in kwargs and no_default:
+            ctx.fail(_join(path, name), "required field is missing")
+    return _construct(cls, kwargs, path, ctx)
+
+
+_MODEL_SPEC_KEYS = ("preset", "hf_dir", "family")
+
+
+def _build_model(data: Any, path: str, ctx: _Context) -> ModelSpec:
+    if not isinstance(data, Mapping):
+        ctx.fail(path, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(ModelConfig)
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"family"}
+    spec: dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _MODEL_SPEC_KEYS:
+            spec[key] = _coerce(value, str | None, _join(path, key), ctx)
+        elif key in model_fields:
+            overrides[key] = _coerce(value, hints[key], _join(path, key), ctx)
+        else:
+            _unknown(path, key, set(_MODEL_SPEC_KEYS) | model_fields, ctx)
+    if spec.get("hf_dir") is not None and "preset" not in spec:
+        spec["preset"] = None
+    return _construct(ModelSpec, dict(spec, overrides=overrides), path, ctx)
+
+
+# ---- overrides ---------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"optimizer.lr=1e-5"`` -> ``("optimizer.lr", 1e-05)``; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):
+        raise ConfigError(
+            f"{COMMAND_LINE}: {text!r}: expected an override like section.field=value"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> tuple[dict, list[str]]:
+    """``data`` with each ``key=value`` override set (a deep copy); also the paths set."""
+    out = _deep_copy(data)
+    paths = []
+    for text in overrides:
+        key, value = parse_override(text)
+        node = out
+        *parents, leaf = key.split(".")
+        for i, name in enumerate(parents):
+            child = node.setdefault(name, {})
+            if child is None:
+                child = node[name] = {}
+            if not isinstance(child, dict):
+                prefix = ".".join(parents[: i + 1])
+                raise ConfigError(f"{COMMAND_LINE}: {key}: {prefix} is not a section")
+            node = child
+        node[leaf] = value
+        paths.append(key)
+    return out, paths
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, Mapping):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+# ---- loading and validation --------------------------------------------------------------
+
+
+def from_dict(
+    data: Mapping[str, Any],
+    *,
+    source: str = "<config>",
+    override_paths: Iterable[str] = (),
+    device_count: int | None = None,
+) -> RunConfig:
+    """A validated RunConfig from a parsed YAML mapping.
+
+    Args:
+      data: the mapping (sections as nested mappings).
+      source: the file name used in error messages.
+      override_paths: fields set on the command line (their errors name ``command line``).
+      device_count: devices the mesh must match; None: ``jax.device_count()``.
+
+    Raises:
+      ConfigError: unknown keys, wrong types, invalid values or inconsistent sections.
+    """
+    ctx = _Context(source, override_paths)
+    if not isinstance(data, Mapping):
+        ctx.fail("", "expected a mapping of sections at the top level")
+    cfg = _build(RunConfig, data, "", ctx)
+    if cfg.output_dir is None:
+        stem = os.path.splitext(os.path.basename(source))[0] if source != "<config>" else ""
+        cfg = cfg.replace(output_dir=os.path.join("runs", stem or cfg.algorithm))
+    validate(cfg, source=source, override_paths=override_paths, device_count=device_count)
+    return cfg
+
+
+def load_config(
+    path: str, overrides: Iterable[str] = (), *, device_count: int | None = None
+) -> RunConfig:
+    """Reads ``path`` (YAML), applies ``overrides`` and validates (see :func:`from_dict`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    data, paths = apply_overrides(data, overrides)
+    return from_dict(data, source=path, override_paths=paths, device_count=device_count)
+
+
+def data_shards(cfg: RunConfig, device_count: int) -> int:
+    """Devices the batch is split over: mesh ``data x fsdp``."""
+    data, fsdp, _ = resolve_mesh_shape(cfg.mesh, device_count)
+    return data * fsdp
+
+
+def validate(
+    cfg: RunConfig,
+    *,
+    source: str = "<config>",
+    override_paths: Iterable[str] = (),
+    device_count: int | None = None,
+) -> ModelConfig:
+    """Cross-section checks, before any device work; returns the resolved ModelConfig.
+
+    Raises:
+      ConfigError: the model cannot be resolved, sequence lengths exceed the model's
+        positions, the mesh does not match the devices, batch sizes do not split into
+        micro-batches x data shards, or the warmup is longer than the run.
+    """
+    ctx = _Context(source, override_paths)
+    try:
+        model_cfg = cfg.model.resolve()
+    except CheckpointError as e:
+        ctx.fail("model.hf_dir", str(e))
+    except (ValueError, TypeError) as e:
+        ctx.fail("model", str(e))
+    if cfg.data.max_length > model_cfg.max_position_embeddings:
+        ctx.fail(
+            "data.max_length",
+            f"{cfg.data.max_length} exceeds the model's max_position_embeddings "
+            f"({model_cfg.max_position_embeddings})",
+        )
+    for field in ("train", "eval"):
+        src = getattr(cfg.data, field)
+        if src is not None and src.startswith(BUILTIN_PREFIX):
+            task = src[len(BUILTIN_PREFIX) :]
+            if task not in BUILTIN_TASKS:
+                ctx.fail(
+                    f"data.{field}",
+                    f"unknown built-in task {task!r} (expected one of {list(BUILTIN_TASKS)})",
+                )
+    if device_count is None:
+        import jax
+
+        device_count = jax.device_count()
+    try:
+        shards = data_shards(cfg, device_count)
+    except MeshError as e:
+        ctx.fail("mesh", str(e))
+    t = cfg.train
+    if t.micro_batch_size is None:
+        if t.batch_size % shards:
+            ctx.fail(
+                "train.batch_size",
+                f"{t.batch_size} is not divisible by the {shards} data shards (mesh data x fsdp)",
+            )
+    elif t.batch_size % (t.micro_batch_size * shards):
+        ctx.fail(
+            "train.batch_size",
+            f"{t.batch_size} is not divisible by train.micro_batch_size x data shards = "
+            f"{t.micro_batch_size} x {shards} = {t.micro_batch_size * shards}",
+        )
+    eval_batch = t.eval_batch_size or t.batch_size
+    if eval_batch % shards:
+        ctx.fail(
+            "train.eval_batch_size",
+            f"{eval_batch} is not divisible by the {shards} data shards (mesh data x fsdp)",
+        )
+    if cfg.optimizer.warmup_steps > t.steps:
+        ctx.fail(
+            "optimizer.warmup_steps",
+            f"{cfg.optimizer.warmup_steps} exceeds train.steps ({t.steps})",
+        )
+    return model_cfg
+
+
+def num_micro_batches(cfg: RunConfig, shards: int) -> int:
+    """Accumulation steps per update."""
+    t = cfg.train
+    if t.micro_batch_size is None:
+        return 1
+    return t.batch_size // (t.micro_batch_size * shards)
+
+
+# ---- writing -----------------------------------------------------------------------------
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain nested dicts/lists/scalars; ``from_dict(to_dict(cfg))`` gives ``cfg`` back."""
+    if isinstance(cfg, ModelSpec):
+        out = {k: getattr(cfg, k) for k in _MODEL_SPEC_KEYS if getattr(cfg, k) is not None}
+        out.update({k: to_dict(v) for k, v in cfg.overrides.items()})
+        return out
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, Mapping):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def dump_config(cfg: RunConfig, path: str, header: str = "") -> None:
+    """Writes the resolved config as YAML (loadable with :func:`load_config`)."""
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    with open(path, "w", encoding="utf-8") as f:
+        if header:
+            f.write("".join(f"# {line}\n" for line in header.splitlines()))
+        f.write(text)
+
+
+def describe_fields() -> str:
+    """Every config field with its default, for ``--help``."""
+    lines = []
+    for f in dataclasses.fields(RunConfig):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if isinstance(default, ModelSpec):
+            lines.append("  model: preset (tiny), hf_dir, family, or any ModelConfig field")
+        elif dataclasses.is_dataclass(default):
+            items = ", ".join(
+                f"{g.name}={getattr(default, g.name)!r}" for g in dataclasses.fields(default)
+            )
+            lines.append(
+                textwrap.fill(
+                    f"{f.name}: {items}", width=96, initial_indent="  ", subsequent_indent="    "
+                )
+            )
+        else:
+            shown = "required" if default is dataclasses.MISSING else repr(default)
+            lines.append(f"  {f.name}: {shown}")
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""Records -> token ids with prompt/response boundaries, counting bad records.
+
+A training sequence is ``prompt ids + response ids``; the boundary is fixed here, once, and
+every mask derives from it (``jaxrlhf.data.dataset``). The two parts are tokenized
+separately, so the boundary is exact whatever the tokenizer merges, and a sampled response
+starts exactly where the prompt's ids end, as during generation.
+
+* Plain text: ``[BOS] + encode(prompt)`` and ``encode(response) + [EOS]`` (BOS/EOS when
+  the tokenizer has them and ``add_bos`` / ``add_eos`` are set).
+* Chat template: the prompt is the template rendered with the generation prompt; the
+  response is what the full conversation's rendering adds after it (the assistant turn with
+  its end-of-turn marker). A template whose conversation does not start with the rendered
+  prompt cannot be split this way; such records are counted as bad.
+
+Bad records (a missing field, empty text, a value that is not text or messages, too long
+after the truncation policy) are counted by reason in a :class:`DataReport`; the caller
+fails with a clear error when none remain.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from jaxrlhf.data.config import DataConfig, TokenizerConfig
+from jaxrlhf.data.tokenizer import Messages, Tokenizer, uses_chat_template
+
+Ids = np.ndarray  # [n] int32
+
+
+class BadRecord(Exception):
+    """Raised while encoding one record; the message is the reason it is skipped."""
+
+
+@dataclasses.dataclass
+class DataReport:
+    """How many records a source had and why some were dropped."""
+
+    source: str
+    total: int = 0
+    bad: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def kept(self) -> int:
+        return self.total - sum(self.bad.values())
+
+    def summary(self) -> str:
+        """One line, e.g. ``data.jsonl: 98 of 100 records kept; 2 bad (2 missing field 'x')``."""
+        line = f"{self.source}: {self.kept} of {self.total} records kept"
+        if self.bad:
+            reasons = ", ".join(f"{n} {reason}" for reason, n in self.bad.most_common())
+            line += f"; {sum(self.bad.values())} bad ({reasons})"
+        return line
+
+
+def _field(record: dict[str, Any], key: str) -> str | Messages:
+    """The text or chat messages of ``record[key]``."""
+    if key not in record or record[key] is None:
+        raise BadRecord(f"missing field {key!r}")
+    value = record[key]
+    if isinstance(value, str):
+        if not value.strip():
+            raise BadRecord(f"empty text in {key!r}")
+        return value
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+            if not any(m["content"].strip() for m in value):
+                raise BadRecord(f"empty text in {key!r}")
+            return [{"role": str(m.get("role", "user")), "content": m["content"]} for m in value]
+    if isinstance(value, list) and not value:
+        raise BadRecord(f"empty text in {key!r}")
+    raise BadRecord(f"field {key!r} is neither text nor chat messages")
+
+
+def _messages(value: str | Messages, role: str) -> Messages:
+    return [{"role": role, "content": value}] if isinstance(value, str) else value
+
+
+def _plain(value: str | Messages) -> str:
+    return value if isinstance(value, str) else "\n".join(m["content"] for m in value)
+
+
+class Encoder:
+    """Encodes prompts and responses with one tokenizer and one template choice."""
+
+    def __init__(self, tokenizer: Tokenizer, cfg: TokenizerConfig) -> None:
+        self.tok = tokenizer
+        self.templated = uses_chat_template(cfg, tokenizer)
+        self.bos = [tokenizer.bos_id] if cfg.add_bos and tokenizer.bos_id is not None else []
+        self.eos = [tokenizer.eos_id] if cfg.add_eos and tokenizer.eos_id is not None else []
+
+    def prompt(self, prompt: str | Messages) -> list[int]:
+        if self.templated:
+            return self.tok.encode(self.tok.render_chat(_messages(prompt, "user"), True))
+        return self.bos + self.tok.encode(_plain(prompt))
+
+    def response(self, prompt: str | Messages, response: str | Messages) -> list[int]:
+        if self.templated:
+            head = _messages(prompt, "user")
+            prompt_text = self.tok.render_chat(head, True)
+            full = self.tok.render_chat(head + _messages(response, "assistant"), False)
+            if not full.startswith(prompt_text):
+                raise BadRecord("chat template does not start the conversation with the prompt")
+            return self.tok.encode(full[len(prompt_text) :])
+        return self.tok.encode(_plain(response)) + self.eos
+
+
+def _fit_prompt(ids: list[int], cfg: DataConfig) -> list[int]:
+    if len(ids) <= cfg.max_prompt_length:
+        return ids
+    if cfg.truncation == "drop":
+        raise BadRecord("too long")
+    return ids[-cfg.max_prompt_length :]  # keep the end, next to the response
+
+
+def _fit_response(ids: list[int], room: int, cfg: DataConfig) -> list[int]:
+    if len(ids) <= room:
+        return ids
+    if cfg.truncation == "drop" or room < 1:
+        raise BadRecord("too long")
+    return ids[:room]
+
+
+@dataclasses.dataclass
+class Encoded:
+    """Token ids of one source. ``responses[i]`` has 1 (SFT), 2 (chosen, rejected) or 0
+    (prompt-only) entries."""
+
+    kind: str
+    prompts: list[Ids]
+    responses: list[tuple[Ids, ...]]
+    records: list[dict[str, Any]]
+    report: DataReport
+
+
+def encode_records(
+    records: Iterable[dict[str, Any]],
+    kind: str,
+    encoder: Encoder,
+    cfg: DataConfig,
+    source: str,
+) -> Encoded:
+    """Encodes records of ``kind`` (``"sft"``, ``"preference"`` or ``"prompt"``).
+
+    Each kept record's prompt fits ``max_prompt_length`` and each prompt + response fits
+    ``max_length`` (after truncation when ``cfg.truncation == "truncate"``).
+    """
+    keys = {
+        "sft": (cfg.response_key,),
+        "preference": (cfg.chosen_key, cfg.rejected_key),
+        "prompt": (),
+    }[kind]
+    report = DataReport(source)
+    out = Encoded(kind, [], [], [], report)
+    for record in records:
+        report.total += 1
+        try:
+            prompt = _field(record, cfg.prompt_key)
+            responses = [_field(record, key) for key in keys]
+            prompt_ids = _fit_prompt(encoder.prompt(prompt), cfg)
+            room = cfg.max_length - len(prompt_ids)
+            response_ids = [
+                _fit_response(encoder.response(prompt, r), room, cfg) for r in responses
+            ]
+            if any(not r for r in response_ids):
+                raise BadRecord("empty response after tokenization")
+        except BadRecord as e:
+            report.bad[str(e)] += 1
+            continue
+        out.prompts.append(np.asarray(prompt_ids, np.int32))
+        out.responses.append(tuple(np.asarray(r, np.int32) for r in response_ids))
+        out.records.append(record)
+    return out

@@ -1,0 +1,69 @@
+"""``python -m jaxrlhf.train --config FILE [overrides]``: parse, load the config, run.
+
+User errors (config, data, checkpoint, mesh) print one line ``error: ...`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxrlhf.config import ConfigError, describe_fields, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxrlhf.train",
+        description="Train with jaxrlhf (algorithm: sft | reward_model | dpo | ppo | grpo) "
+        "from a YAML config, or run a pipeline file that lists stage configs.",
+        epilog="config fields (override any with section.field=value):\n" + describe_fields(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", required=True, help="YAML run config, e.g. configs/tiny_sft.yaml"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="same as --set")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate, print model size and memory, exit"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("jaxrlhf").setLevel(logging.INFO)
+
+    from jaxrlhf.data import DataError
+    from jaxrlhf.models.safetensors_io import CheckpointError
+    from jaxrlhf.sharding import MeshError, ShardingRuleError
+    from jaxrlhf.train.pipeline import pipeline_stages
+    from jaxrlhf.train.rewards import RewardError
+
+    try:
+        stages = pipeline_stages(args.config) or [args.config]
+        for i, path in enumerate(stages):
+            if len(stages) > 1:
+                print(f"== stage {i + 1}/{len(stages)}: {path}", flush=True)
+            cfg = load_config(path, [*args.set, *args.overrides])
+            from jaxrlhf.train import loop
+
+            if args.dry_run:
+                print(loop.describe(cfg, source=path))
+                continue
+            loop.run(cfg, source=path)
+    except (
+        ConfigError,
+        DataError,
+        CheckpointError,
+        MeshError,
+        ShardingRuleError,
+        RewardError,
+    ) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Pure train and eval steps shared by every trainer.
+
+A trainer is an :class:`Objective`: a loss over one micro-batch plus the *weight* of that
+micro-batch, i.e. how many units (tokens, pairs) its mean loss averages over. The step
+splits the global batch into ``num_micro`` micro-batches, runs them with ``lax.scan`` and
+adds their gradients weighted by ``weight / total weight``. For mean losses this is exact:
+accumulating over micro-batches gives the same gradient (up to float rounding) as one
+full-batch step, whatever the split, the padding or the device count.
+
+Micro-batches are strided (row ``r`` goes to micro-batch ``r % num_micro``): each device's
+slice of the batch splits into the same micro-batches locally, so the split moves no data
+between devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrlhf.models import axes
+from jaxrlhf.sharding.rules import Rules, activation_sharding
+from jaxrlhf.train.state import TrainState
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+LossFn = Callable[[Any, Any, Batch], tuple[jax.Array, Metrics]]  # (module, params, batch)
+WeightFn = Callable[[Batch], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A frozen reference model whose per-pair log-probs a loss needs.
+
+    Attributes:
+      logps_fn: ``(module, params, batch) -> [B, 2]`` log-probs of each pair's sequences.
+      hf_dir: checkpoint of the reference; None = a frozen copy of the initial policy.
+      precompute: score the whole dataset once before training and free the reference.
+    """
+
+    logps_fn: Callable[[Any, Any, Batch], jax.Array]
+    hf_dir: str | None = None
+    precompute: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a trainer optimises and what it needs.
+
+    Attributes:
+      name: the algorithm (``"sft"``, ``"reward_model"``, ``"dpo"``).
+      role: sharding role of the trained model (``"policy"`` or ``"reward"``).
+      head: model head, ``"lm"`` or ``"scalar"``.
+      data_kind: dataset kind, ``"sft"`` or ``"preference"``.
+      loss_fn: mean loss and metrics (flat dict, namespaced keys) of a micro-batch.
+      weight_fn: number of units the micro-batch's mean is over (0 for padding rows).
+      primary: the main metric, shown in progress lines and plots.
+      summary: metrics shown in progress lines.
+      reference: a reference model, for losses that need one.
+    """
+
+    name: str
+    role: str
+    head: str
+    data_kind: str
+    loss_fn: LossFn
+    weight_fn: WeightFn
+    primary: str
+    summary: tuple[str, ...]
+    reference: Reference | None = None
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
+    """Rows split like the ``batch`` activation axis, every other dim replicated."""
+    return activation_sharding(mesh, rules, (axes.BATCH,) + (None,) * (ndim - 1))
+
+
+def split_micro(batch: Batch, num_micro: int, mesh: Mesh, rules: Rules) -> Batch:
+    """``[B, ...] -> [num_micro, B / num_micro, ...]``, strided: row r -> micro r % n."""
+
+    def split(x: jax.Array) -> jax.Array:
+        b = x.shape[0]
+        x = x.reshape(b // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+        names = (None, axes.BATCH) + (None,) * (x.ndim - 2)
+        return jax.lax.with_sharding_constraint(x, activation_sharding(mesh, rules, names))
+
+    return jax.tree.map(split, batch)
+
+
+def accumulate_gradients(
+    objective: Objective,
+    module: Any,
+    params: Any,
+    batch: Batch,
+    *,
+    num_micro: int,
+    mesh: Mesh,
+    rules: Rules,
+    grad_shardings: Any,
+) -> tuple[Any, Metrics]:
+    """Weighted-mean gradients and metrics over ``num_micro`` micro-batches of ``batch``.
+
+    Gradients are accumulated in float32 and kept in the params' shardings.
+    """
+    grad_fn = jax.value_and_grad(functools.partial(objective.loss_fn, module), has_aux=True)
+    if num_micro == 1:
+        (_, metrics), grads = grad_fn(params, batch)
+        return grads, metrics
+    micro = split_micro(batch, num_micro, mesh, rules)
+    weights = jax.vmap(objective.weight_fn)(micro).astype(jnp.float32)  # [n]
+    weights = weights / jnp.maximum(weights.sum(), 1.0)
+
+    def body(carry, xs):
+        mb, w = xs
+        (_, metrics), grads = grad_fn(params, mb)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        return jax.tree.map(
+            lambda c, x: c + w * x.astype(jnp.float32), carry, (grads, metrics)
+        ), None
+
+    abstract_metrics = jax.eval_shape(
+        lambda p, b: objective.loss_fn(module, p, b)[1],
+        params,
+        jax.tree.map(lambda x: x[0], micro),
+    )
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, abstract_metrics))
+    zeros = (jax.lax.with_sharding_constraint(zeros[0], grad_shardings), zeros[1])
+    (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
+    return grads, metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    key: jax.Array,
+    *,
+    objective: Objective,
+    module: Any,
+    optimizer: optax.GradientTransformation,
+    lr_fn: optax.Schedule,
+    num_micro: int,
+    mesh: Mesh,
+    rules: Rules,
+    grad_shardings: Any,
+) -> tuple[TrainState, Metrics]:
+    """One optimizer update on ``batch``: ``(state, batch, key) -> (state, metrics)``.
+
+    ``key`` is unused by the supervised and preference objectives (the models have no
+    dropout); it keeps the signature every trainer's step shares (RL steps sample).
+    Metrics add ``grad_norm`` (before clipping) and ``lr`` (of this update).
+    """
+    del key
+    grads, metrics = accumulate_gradients(
+        objective,
+        module,
+        state.params,
+        batch,
+        num_micro=num_micro,
+        mesh=mesh,
+        rules=rules,
+        grad_shardings=grad_shardings,
+    )
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=lr_fn(state.step))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(
+    params: Any, batch: Batch, *, objective: Objective, module: Any
+) -> tuple[Metrics, jax.Array]:
+    """``(metrics * weight, weight)`` of one batch; sum both over batches and divide."""
+    _, metrics = objective.loss_fn(module, params, batch)
+    weight = objective.weight_fn(batch).astype(jnp.float32)
+    return jax.tree.map(lambda m: m * weight, metrics), weight

@@ -1,0 +1,76 @@
+"""Metric sinks, progress lines and the plot; optional packages are never required."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+
+import pytest
+
+from jaxrlhf.train.config import LoggingConfig
+from jaxrlhf.train.metrics import MetricsLogger, Progress, plot_history
+
+HISTORY = [
+    {"step": 0, "eval/loss/sft": 4.0},
+    {"step": 10, "loss/sft": 3.0, "lr": 1e-3},
+    {"step": 20, "loss/sft": 2.0, "lr": 5e-4},
+    {"step": 20, "eval/loss/sft": 2.5},
+]
+
+
+def test_jsonl_rows(tmp_path):
+    log = MetricsLogger(str(tmp_path), LoggingConfig(), {})
+    log.log(10, {"loss/sft": 3, "lr": 1e-3})
+    log.log(20, {"loss/sft": 2.5})
+    log.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows == [{"step": 10, "loss/sft": 3, "lr": 1e-3}, {"step": 20, "loss/sft": 2.5}]
+    assert log.history == rows
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is not None
+    or importlib.util.find_spec("tensorboardX") is not None
+    or importlib.util.find_spec("tensorboard") is not None,
+    reason="an optional logger is installed",
+)
+def test_missing_optional_loggers_are_skipped_with_a_note(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        log = MetricsLogger(str(tmp_path), LoggingConfig(tensorboard=True, wandb=True), {})
+    log.log(1, {"x": 1.0})
+    log.close()
+    assert "wandb is not installed; skipping W&B logging" in caplog.text
+    assert "skipping TensorBoard logging" in caplog.text
+
+
+def test_plain_progress_lines(capsys):
+    progress = Progress("plain", total=20, description="sft")
+    progress.update(5)  # not a logging step: silent
+    progress.update(10, {"loss/sft": 3.0, "lr": 1e-3, "other": 1.0}, keys=("loss/sft", "lr"))
+    progress.write("eval step 10 | eval/loss/sft 2.5")
+    progress.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("sft step 10/20 | loss/sft 3 | lr 0.001 | ")
+    assert out[1] == "eval step 10 | eval/loss/sft 2.5"
+
+
+@pytest.mark.parametrize("mode", ["rich", "tqdm"])
+def test_bar_progress(mode):
+    pytest.importorskip(mode)
+    progress = Progress(mode, total=3, description="rm")
+    for step in range(1, 4):
+        progress.update(step, {"loss/rm": 0.5}, keys=("loss/rm",))
+    progress.write("eval")
+    progress.close()
+
+
+def test_plot(tmp_path, caplog):
+    path = str(tmp_path / "metrics.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        with caplog.at_level(logging.INFO):
+            assert plot_history(HISTORY, ("loss/sft", "lr"), path) is None
+        assert "plot skipped: matplotlib is not installed" in caplog.text
+    else:
+        assert plot_history(HISTORY, ("loss/sft", "lr"), path) == path
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,90 @@
+"""The same train steps on an 8-device CPU mesh equal those on 1 device, for each trainer.
+
+Both runs see the same batches from the same initial params. The 8-device runs shard the
+params (FSDP, and tensor parallelism for the RM and DPO cases) and the batch, and for SFT
+also accumulate over a different number of micro-batches (2 on 8 devices, 4 on 1), which
+the weighted accumulation makes mathematically identical.
+
+Tolerances (float32): sharded matmuls and reductions sum in a different order, which moves
+the metrics by <= 2e-6 (DPO's summed log-probs are ~50 in size, so that is ~4e-8 relative);
+we allow 1e-5 absolute. Params after two AdamW updates at lr 1e-3 differ by <= 5e-6 (we
+measured 4.7e-6): Adam divides by sqrt(v) + eps, so gradients near eps turn rounding-level
+differences into update differences of a few 1e-3 * lr. We allow 2e-5, still 50x below one
+update (~1e-3), so a wrong gradient, a dropped micro-batch or a wrong weighting fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrlhf.train import loop
+from tests.train.helpers import config, mesh
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compile")]
+
+COMMON = (
+    "train.batch_size=16",
+    "train.steps=10",
+    "optimizer.warmup_steps=0",
+    "optimizer.lr=1e-3",
+    "data.builtin_size=256",
+    "data.eval_size=16",
+)
+CASES = {
+    # name: (8-device mesh, overrides on 8 devices, overrides on 1 device)
+    "tiny_sft": ((2, 4, 1), ["train.micro_batch_size=1"], ["train.micro_batch_size=4"]),
+    "tiny_rm": ((2, 2, 2), [], []),
+    "tiny_dpo": ((1, 4, 2), [], []),
+}
+
+
+def _mesh_overrides(shape):
+    return [f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"]
+
+
+def _two_steps(trainer):
+    metrics = []
+    for _ in range(2):
+        old = jax.tree.leaves(trainer.state.params)[0]
+        metrics.append(jax.device_get(trainer.step()))
+        assert old.is_deleted()  # the state was donated to the step
+    return metrics
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sharded_step_equals_single_device(name, tmp_path):
+    shape, many_overrides, one_overrides = CASES[name]
+    many_cfg = config(name, tmp_path, *COMMON, *_mesh_overrides(shape), *many_overrides)
+    one_cfg = config(
+        name, tmp_path, *COMMON, *_mesh_overrides((1, 1, 1)), *one_overrides, device_count=1
+    )
+    many = loop.build_trainer(many_cfg, mesh=mesh(*shape))
+    one = loop.build_trainer(one_cfg, mesh=mesh(1, 1, 1))
+    if name == "tiny_sft":
+        assert (many.num_micro, one.num_micro) == (2, 4)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(many.state.params),
+        jax.device_get(one.state.params),
+    )
+
+    many_metrics, one_metrics = _two_steps(many), _two_steps(one)
+    for got, want in zip(many_metrics, one_metrics, strict=True):
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=0, err_msg=key)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=0),
+        jax.device_get(many.state.params),
+        jax.device_get(one.state.params),
+    )
+    # The new state stays in the training layout: params and Adam moments sharded alike.
+    for leaf, sharding in zip(
+        jax.tree.leaves(many.state), jax.tree.leaves(many.shardings), strict=True
+    ):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    q = many.state.params["decoder"]["layers"]["attn"]["q_kernel"]
+    assert "fsdp" in str(q.sharding.spec)
+    assert len(q.addressable_shards) == 8 and q.addressable_shards[0].data.size < q.size
