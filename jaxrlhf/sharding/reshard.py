@@ -180,7 +180,7 @@ def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False) -> tuple[Any
                     x.delete()
 
     stats = ReshardStats(bytes_moved=moved, bytes_total=total, seconds=seconds)
-    logger.info(
+    logger.debug(
         "reshard: moved %.3f MiB of %.3f MiB in %.3f s",
         moved / 2**20,
         total / 2**20,

@@ -1,0 +1,164 @@
+"""Workloads R1 (GRPO step) and R2 (PPO step) of shared/bench/WORKLOADS.md.
+
+    python benchmarks/rl_step.py                          # R1 and R2 on bench-S
+    python benchmarks/rl_step.py --models bench-s bench-m --steps 5
+
+R1: 8 prompts x 4 samples = 32 sequences, 64 random prompt tokens, 64 new tokens (no early
+stop), a cheap programmatic reward, reference log-probs, one AdamW update (lr 1e-6) of the
+policy over the 32 sequences in one micro-batch, KL beta 0.04 (k3 loss term).
+R2: R1 plus a critic and a reward model of the same architecture (random weights, loaded
+from a Hugging Face directory like a real one), GAE (gamma 1, lambda 0.95), one epoch, one
+micro-batch. Metric: seconds per full iteration, median over the timed iterations after one
+warm-up (compile) iteration, with the per-phase split the trainer reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxrlhf.config import load_config  # noqa: E402
+from jaxrlhf.models import model as model_lib  # noqa: E402
+from jaxrlhf.models.config import ModelConfig  # noqa: E402
+from jaxrlhf.models.hf_checkpoint import save_hf  # noqa: E402
+from jaxrlhf.train.rl_loop import PHASES  # noqa: E402
+from jaxrlhf.train.rl_trainer import build_rl_trainer  # noqa: E402
+
+MODELS = {"bench-s": "bench_s", "bench-m": "bench_m"}
+PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 4, 64, 64
+
+
+def cheap_reward(prompts: list[str], completions: list[str]) -> np.ndarray:
+    """A cheap programmatic reward: the fraction of completion characters that are digits."""
+    return np.asarray([sum(c.isdigit() for c in s) / max(len(s), 1) for s in completions])
+
+
+class RandomPrompts:
+    """Endless [8, 64] batches of random prompt tokens (no padding)."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.rng, self.vocab = np.random.default_rng(seed), vocab
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        tokens = self.rng.integers(4, self.vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)
+        return {"tokens": tokens, "mask": np.ones_like(tokens, bool)}
+
+
+def _config(workload: str, preset: str, rm_dir: str | None, out: str):
+    algo = "grpo" if workload == "R1" else "ppo"
+    section = {
+        "rollout": {
+            "prompts_per_step": PROMPTS,
+            "num_samples": SAMPLES,
+            "max_new_tokens": NEW_TOKENS,
+            "stop_at_eos": False,
+        },
+        "loss": {
+            "epochs": 1,
+            "num_minibatches": 1,
+            "kl_coef": 0.04,
+            "kl_mode": "loss",
+            "kl_estimator": "k3",
+        },
+    }
+    if algo == "grpo":
+        section["reward"] = {"function": "benchmarks.rl_step.cheap_reward"}
+    else:
+        section.update(reward={"function": None, "model_dir": rm_dir}, gamma=1.0, lam=0.95)
+    raw = {
+        "algorithm": algo,
+        "output_dir": out,
+        "model": {"preset": preset},
+        "data": {
+            "train": "builtin:sort",
+            "max_length": PROMPT_LEN + NEW_TOKENS,
+            "max_prompt_length": PROMPT_LEN,
+            "builtin_size": 64,
+            "eval_size": 0,
+        },
+        "mesh": {"data": 1, "fsdp": -1, "tensor": 1},
+        "optimizer": {"lr": 1e-6, "schedule": "constant"},
+        "train": {"steps": 1},
+        algo: section,
+    }
+    path = os.path.join(out, f"{workload}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    return load_config(path, [])
+
+
+def run(workload: str, model: str, steps: int, tmp: str) -> dict[str, float]:
+    preset = MODELS[model]
+    rm_dir = None
+    if workload == "R2":
+        rm_dir = os.path.join(tmp, f"rm_{preset}")
+        if not os.path.exists(rm_dir):
+            cfg = getattr(ModelConfig, preset)()
+            save_hf(
+                rm_dir, cfg, model_lib.init_params(cfg, jax.random.key(1), "scalar"), head="scalar"
+            )
+    trainer = build_rl_trainer(_config(workload, preset, rm_dir, tmp))
+    trainer.prompts = RandomPrompts(trainer.model_cfg.vocab_size)
+    trainer.task_fn = None  # the built-in task reward does not apply to random prompts
+    start = time.perf_counter()
+    trainer.step()  # warm-up: compiles every phase
+    compile_s = time.perf_counter() - start
+    rows = [trainer.step() for _ in range(steps)]
+    out = {
+        "compile_s": compile_s,
+        "step_s": float(np.median([r["time/iteration_s"] for r in rows])),
+    }
+    for phase in PHASES:
+        out[phase] = float(np.median([r[f"time/{phase}_s"] for r in rows]))
+    out["generate_tok_s"] = float(np.median([r["throughput/generate_tok_s"] for r in rows]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["bench-s"], choices=sorted(MODELS))
+    parser.add_argument("--workloads", nargs="+", default=["R1", "R2"], choices=["R1", "R2"])
+    parser.add_argument("--steps", type=int, default=5, help="timed iterations after warm-up")
+    args = parser.parse_args()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, {jax.device_count()} "
+        f"{jax.default_backend()} device(s), {os.cpu_count()} cores, {cpu}"
+    )
+    header = ("workload", "model", "s/step", *PHASES, "gen tok/s", "compile s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for workload in args.workloads:
+                r = run(workload, model, args.steps, tmp)
+                cells = [
+                    workload,
+                    model,
+                    f"{r['step_s']:.3f}",
+                    *(f"{r[p]:.3f}" for p in PHASES),
+                    f"{r['generate_tok_s']:.0f}",
+                    f"{r['compile_s']:.1f}",
+                ]
+                print("| " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Multi-stage runs: a YAML file whose ``pipeline`` lists stage configs run in order.
+
+::
+
+    # configs/quickstart.yaml
+    pipeline:
+      - quickstart/sft.yaml    # paths relative to this file
+      - quickstart/rm.yaml
+      - quickstart/ppo.yaml
+
+Each stage is an ordinary run config, loaded and validated only when its turn comes (a later
+stage may read an earlier stage's exported model). Command-line overrides apply to every
+stage. A stage that fails stops the pipeline; finished stages keep their outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from jaxrlhf.config import ConfigError
+
+
+def pipeline_stages(path: str) -> list[str] | None:
+    """The stage config paths of a pipeline file, or None for an ordinary run config."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None  # load_config reports unreadable files with its own message
+    if not isinstance(raw, dict) or "pipeline" not in raw:
+        return None
+    extra = sorted(set(raw) - {"pipeline"})
+    if extra:
+        raise ConfigError(f"{path}: a pipeline file has only 'pipeline', found also {extra}")
+    stages = raw["pipeline"]
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
+        raise ConfigError(f"{path}: pipeline: expected a non-empty list of config paths")
+    base = os.path.dirname(path)
+    resolved = [os.path.join(base, s) for s in stages]
+    missing = [s for s in resolved if not os.path.exists(s)]
+    if missing:
+        raise ConfigError(f"{path}: pipeline: stage config {missing[0]} does not exist")
+    return resolved
