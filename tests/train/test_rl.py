@@ -292,3 +292,28 @@ def test_reward_function_errors(tmp_path):
     cfg, src = _config(tmp_path, "grpo", f"data.train={prompts}")
     with pytest.raises(RewardError, match="'builtin' needs a built-in dataset"):
         build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+
+
+def test_overlong_penalty_hand_checked():
+    from jaxrlhf.train.rewards import overlong_penalty
+
+    # Budget 10, buffer 4: lengths up to 6 are free, 8 pays 2/4 of the penalty, a response cut
+    # at the budget (not stopped) pays all of it whatever its length.
+    got = overlong_penalty(np.array([5, 6, 8, 10, 10]), np.array([1, 1, 1, 1, 0], bool), 10, 4, 0.5)
+    np.testing.assert_allclose(got, [0.0, 0.0, 0.25, 0.5, 0.5])
+    assert not overlong_penalty(np.array([10]), np.array([False]), 10, 0, 1.0).any()
+
+
+def test_grpo_dynamic_sampling_keeps_informative_groups(tmp_path):
+    cfg, src = _config(tmp_path, "grpo", "grpo.dynamic_sampling=true", "grpo.max_refills=2")
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    rollout, timings = trainer._dynamic_sampling(jax.random.key(5))
+    groups = rollout["scores_raw"].reshape(-1, 4)
+    informative = groups.std(-1) > 0
+    assert rollout["tokens"].shape[0] == 16 and 1 <= timings["dynamic/rollouts"] <= 3
+    # Informative groups come first; flat ones only fill what the refills could not.
+    assert not (~informative[:-1] & informative[1:]).any()
+    if timings["dynamic/rollouts"] < 3:
+        assert informative.all()
+    metrics = trainer.step()
+    assert "dynamic/informative_frac" in metrics
