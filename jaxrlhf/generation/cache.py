@@ -106,6 +106,30 @@ def with_generated_slots(prompt_cache: DecodeCache, n: int, max_new_tokens: int)
     )
 
 
+def generated_view(cache: DecodeCache, prompt_len: int, size: int) -> DecodeCache:
+    """A copy of ``cache`` keeping only its first ``size`` generated-token slots.
+
+    Used by the decode loop's phases: early tokens attend over (and read) a cache sized to
+    what has been generated so far instead of the whole ``max_new_tokens``.
+    """
+    keep = size if cache.shared_prefix else prompt_len + size
+    return cache.replace(
+        k=tuple(k[..., :keep] for k in cache.k), v=tuple(v[..., :keep, :] for v in cache.v)
+    )
+
+
+def write_generated(full: DecodeCache, part: DecodeCache) -> DecodeCache:
+    """``full`` with the slots of ``part`` (from ``generated_view``) written back in place."""
+
+    def put(fulls: tuple[jax.Array, ...], parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        return tuple(
+            jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
+            for f, p in zip(fulls, parts, strict=True)
+        )
+
+    return full.replace(k=put(full.k, part.k), v=put(full.v, part.v))
+
+
 def abstract_cache(
     cfg: ModelConfig,
     batch: int,

@@ -35,11 +35,11 @@ def test_decode_logits_equal_full_forward(family, n):
     @jax.jit
     def run(params, prompt, mask, fed):
         state = init_state(cfg, no_constraint, statics, params, prompt, mask, jax.random.key(0))
-        layers = decode_lib.split_layers(params, cfg.num_layers)
+        weights = decode_lib.decode_weights(params, cfg.num_layers)
 
         def feed(state, t):
             state = state.replace(tokens=state.tokens.at[:, t].set(fed[:, t]), step=t + 1)
-            state = forward_step(cfg, no_constraint, params, layers, state)
+            state = forward_step(cfg, no_constraint, params, weights, state)
             return state, state.logits
 
         _, rest = jax.lax.scan(feed, state, jnp.arange(new - 1))
