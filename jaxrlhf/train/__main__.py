@@ -30,14 +30,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="validate, print model size and memory, exit"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in the run directory; error if there is "
+        "none (same as checkpoint.resume=always; the default, auto, resumes when one exists)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("jaxrlhf").setLevel(logging.INFO)
+    if not args.dry_run:  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
+        from jaxrlhf.sharding import initialize
+
+        initialize()
 
     from jaxrlhf.data import DataError
     from jaxrlhf.models.safetensors_io import CheckpointError
     from jaxrlhf.sharding import MeshError, ShardingRuleError
+    from jaxrlhf.train.checkpointing import NonFiniteStateError
     from jaxrlhf.train.pipeline import pipeline_stages
+    from jaxrlhf.train.preemption import Preempted, TrainingDiverged
     from jaxrlhf.train.rewards import RewardError
 
     try:
@@ -45,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, path in enumerate(stages):
             if len(stages) > 1:
                 print(f"== stage {i + 1}/{len(stages)}: {path}", flush=True)
-            cfg = load_config(path, [*args.set, *args.overrides])
+            overrides = [*args.set, *args.overrides]
+            if args.resume:  # a pipeline's later stages may not have started yet
+                overrides.append(f"checkpoint.resume={'always' if i == 0 else 'auto'}")
+            cfg = load_config(path, overrides)
             from jaxrlhf.train import loop
 
             if args.dry_run:
@@ -62,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (TrainingDiverged, NonFiniteStateError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
     return 0
 
 

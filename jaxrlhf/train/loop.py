@@ -38,8 +38,22 @@ from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.sharding import make_mesh, rules_for
 from jaxrlhf.sharding.model_sharding import build_sharded, bytes_per_device, param_shardings
 from jaxrlhf.train import dpo, reward_model, sft, steps
-from jaxrlhf.train.metrics import PLOT_FILE, MetricsLogger, Progress, format_metrics, plot_history
+from jaxrlhf.train.checkpointing import (
+    RunCheckpointer,
+    key_data,
+    open_checkpointer,
+    wrap_key,
+)
+from jaxrlhf.train.metrics import (
+    PLOT_FILE,
+    MetricsLogger,
+    Progress,
+    format_metrics,
+    plot_history,
+    read_history,
+)
 from jaxrlhf.train.optim import make_optimizer
+from jaxrlhf.train.preemption import Preempted, StopSignals, check_skips
 from jaxrlhf.train.state import TrainState, init_state, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -348,25 +362,69 @@ class RunResult:
         return [(r["step"], r[key]) for r in self.history if key in r]
 
 
+def _snapshot(
+    trainer: Trainer, running: dict | None, count: int, skip_run: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The arrays and JSON metadata of a supervised run's checkpoint."""
+    arrays = {"train": trainer.state, "key": key_data(trainer.key, trainer.mesh)}
+    host = {} if running is None else jax.device_get(running)
+    meta = {
+        "step": trainer.batches_done,
+        "data": trainer.batches.state(),
+        "running": {k: [float(v), str(np.asarray(v).dtype)] for k, v in host.items()},
+        "running_count": count,
+        "skip_run": skip_run,
+        "config": to_dict(trainer.cfg),
+    }
+    return arrays, meta
+
+
+def _restore(trainer: Trainer, ckpt: RunCheckpointer, step: int) -> tuple[dict | None, int, int]:
+    """Puts checkpoint ``step`` into ``trainer``; returns the running metric sums, their
+    count and the consecutive-skip count saved with it."""
+    target = {"train": trainer.state, "key": key_data(trainer.key, trainer.mesh)}
+    arrays, meta = ckpt.restore(step, target, to_dict(trainer.cfg))
+    trainer.state = arrays["train"]
+    trainer.key = wrap_key(arrays["key"], trainer.key)
+    trainer.batches_done = int(meta["step"])
+    trainer.batches.restore(meta["data"])
+    running = {k: jnp.asarray(v, dtype) for k, (v, dtype) in meta["running"].items()} or None
+    return running, int(meta["running_count"]), int(meta["skip_run"])
+
+
 def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -> RunResult:
-    """Trains as configured; writes config.yaml, metrics.jsonl, metrics.png and hf/.
+    """Trains as configured; writes config.yaml, metrics.jsonl, checkpoints/, metrics.png
+    and hf/.
 
     Evaluates on the held-out split before the first step, every ``train.eval_every`` steps
-    and after the last one.
+    and after the last one. Resumes from the newest checkpoint as ``checkpoint.resume``
+    says; saves every ``checkpoint.every`` steps, at the end and on SIGTERM/SIGINT.
+
+    Raises:
+      Preempted: a signal stopped the run (after saving a checkpoint).
+      TrainingDiverged: ``train.max_consecutive_skips`` non-finite updates in a row.
     """
     if cfg.algorithm in ("ppo", "grpo"):
         from jaxrlhf.train.rl_loop import run_rl
 
         return run_rl(cfg, mesh=mesh, source=source)
-    trainer = build_trainer(cfg, mesh=mesh, source=source)
     main = jax.process_index() == 0
     run_dir = cfg.output_dir or os.path.join("runs", cfg.algorithm)
+    ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
+    trainer = build_trainer(cfg, mesh=mesh, source=source)
+    history: list[dict[str, Any]] = []
+    running, count, skip_run = None, 0, 0
+    if resume_step is not None:
+        running, count, skip_run = _restore(trainer, ckpt, resume_step)
+        history = read_history(run_dir, resume_step)
+        logger.info("resumed from %s/%d", ckpt.directory, resume_step)
     if main:
         os.makedirs(run_dir, exist_ok=True)
         dump_config(cfg, os.path.join(run_dir, CONFIG_FILE), header=f"resolved from {source}")
-    log = MetricsLogger(run_dir, cfg.logging, to_dict(cfg), enabled=main)
+    log = MetricsLogger(run_dir, cfg.logging, to_dict(cfg), enabled=main, history=history)
     t = cfg.train
     obj = trainer.objective
+    first = trainer.batches_done
     logger.info(
         "%s: %s parameters, mesh %s, %d train / %d eval examples, %d micro-batch(es) per update",
         cfg.algorithm,
@@ -376,6 +434,8 @@ def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -
         0 if trainer.eval_data is None else len(trainer.eval_data),
         trainer.num_micro,
     )
+    if first >= t.steps:
+        logger.info("the run is complete (step %d of %d); nothing to train", first, t.steps)
     progress = Progress(cfg.logging.progress, t.steps, cfg.algorithm, enabled=main)
     keys = (*obj.summary, "lr", "grad_norm")
     eval_keys = tuple(f"eval/{k}" for k in obj.summary)
@@ -386,27 +446,49 @@ def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -
             row = log.log(step, metrics)
             progress.write(f"eval step {step} | {format_metrics(row, eval_keys)}")
 
+    def save(step: int, *, wait: bool = False) -> None:
+        ckpt.save(step, *_snapshot(trainer, running, count, skip_run), wait=wait)
+
     try:
-        evaluate(0)
-        running, count, start = None, 0, time.perf_counter()
-        for i in range(t.steps):
-            metrics = trainer.step()
-            running = metrics if running is None else jax.tree.map(jnp.add, running, metrics)
-            count += 1
-            done = i + 1
-            if done % t.log_every == 0 or done == t.steps:
-                host = jax.device_get(running)
-                row = {k: float(v) / count for k, v in host.items()}
-                row["time/step_s"] = (time.perf_counter() - start) / count
-                row["epoch"] = trainer.batches.state()["epoch"]
-                progress.update(done, log.log(done, row), keys)
-                running, count, start = None, 0, time.perf_counter()
-            else:
-                progress.update(done)
-            if t.eval_every and done % t.eval_every == 0 and done != t.steps:
-                evaluate(done)
-        evaluate(t.steps)
+        with StopSignals() as signals:
+            if first == 0:
+                evaluate(0)
+            start = time.perf_counter()
+            # Device-side counts of consecutive skipped updates (the longest run since the
+            # last log), so checking them needs no per-step host sync.
+            skips, worst = jnp.int32(skip_run), jnp.int32(skip_run)
+            for i in range(first, t.steps):
+                metrics = trainer.step()
+                skips = jnp.where(metrics["skipped"] > 0, skips + 1, 0)
+                worst = jnp.maximum(worst, skips)
+                running = metrics if running is None else jax.tree.map(jnp.add, running, metrics)
+                count += 1
+                done = i + 1
+                if done % t.log_every == 0 or done == t.steps:
+                    host = jax.device_get(running)
+                    row = {k: float(v) / count for k, v in host.items()}
+                    row["time/step_s"] = (time.perf_counter() - start) / count
+                    row["epoch"] = trainer.batches.state()["epoch"]
+                    progress.update(done, log.log(done, row), keys)
+                    running, count, start = None, 0, time.perf_counter()
+                else:
+                    progress.update(done)
+                if done % t.log_every == 0 or ckpt.due(done) or done == t.steps:
+                    check_skips(int(worst), done, t.max_consecutive_skips, ckpt)
+                    skip_run, worst = int(skips), skips
+                if t.eval_every and done % t.eval_every == 0 and done != t.steps:
+                    evaluate(done)
+                if ckpt.due(done) and done != t.steps:
+                    save(done)
+                signum = signals.requested()
+                if signum is not None and done != t.steps:
+                    save(done, wait=True)
+                    raise Preempted(signum, done, ckpt.directory)
+            if first < t.steps:
+                evaluate(t.steps)
+            save(t.steps, wait=True)
     finally:
+        ckpt.close()
         progress.close()
         log.close()
     if cfg.checkpoint.export_hf:

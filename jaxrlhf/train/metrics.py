@@ -34,15 +34,25 @@ class MetricsLogger:
     TensorBoard / W&B). Only the main process writes."""
 
     def __init__(
-        self, run_dir: str, cfg: LoggingConfig, run_config: Mapping[str, Any], enabled: bool = True
+        self,
+        run_dir: str,
+        cfg: LoggingConfig,
+        run_config: Mapping[str, Any],
+        enabled: bool = True,
+        history: Sequence[dict[str, Any]] = (),
     ) -> None:
+        """``history``: rows of an earlier run this one resumes (rewritten to the file first;
+        not re-sent to TensorBoard or W&B)."""
         self.enabled = enabled
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = list(history)
         self._tb = self._wandb = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._file = open(os.path.join(run_dir, METRICS_FILE), "w", encoding="utf-8")
+        for row in self.history:
+            self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
         if cfg.tensorboard:
             self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
         if cfg.wandb:
@@ -78,6 +88,25 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def read_history(run_dir: str, last_step: int) -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl`` up to ``last_step`` (a resumed run's past:
+    rows an interrupted run logged after its last checkpoint are dropped). A missing file or
+    a torn last line (a kill mid-write) gives the rows that could be read."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    rows: list[dict[str, Any]] = []
+    if not os.path.exists(path):
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row.get("step", 0) <= last_step:
+                rows.append(row)
+    return rows
 
 
 def _tensorboard_writer(directory: str) -> Any:

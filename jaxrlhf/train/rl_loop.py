@@ -8,15 +8,30 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrlhf import losses
 from jaxrlhf.config import RunConfig, dump_config, to_dict
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.hf_checkpoint import save_hf
+from jaxrlhf.train.checkpointing import (
+    RunCheckpointer,
+    key_data,
+    open_checkpointer,
+    wrap_key,
+)
 from jaxrlhf.train.loop import CONFIG_FILE, HF_DIR, RunResult
-from jaxrlhf.train.metrics import PLOT_FILE, MetricsLogger, Progress, plot_history
-from jaxrlhf.train.rl_trainer import build_rl_trainer
+from jaxrlhf.train.metrics import (
+    PLOT_FILE,
+    MetricsLogger,
+    Progress,
+    plot_history,
+    read_history,
+)
+from jaxrlhf.train.preemption import Preempted, StopSignals, check_skips
+from jaxrlhf.train.rl_trainer import RLTrainer, build_rl_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +50,39 @@ PLOT_KEYS = (
     "loss/policy",
     "response/length_mean",
 )
+
+
+def rl_snapshot(trainer: RLTrainer, skip_run: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The arrays and JSON metadata of an RL run's checkpoint: the policy's and critic's
+    train states, the run key, the iteration, the prompt position and the KL coefficient."""
+    arrays = {"policy": trainer.policy.state, "key": key_data(trainer.key, trainer.mesh)}
+    if trainer.value is not None:
+        arrays["value"] = trainer.value.state
+    meta = {
+        "step": trainer.iteration,
+        "prompts": trainer.prompts.state(),
+        "kl_coef": float(trainer.kl_state.kl_coef),
+        "skip_run": skip_run,
+        "config": to_dict(trainer.cfg),
+    }
+    return arrays, meta
+
+
+def restore_rl(trainer: RLTrainer, ckpt: RunCheckpointer, step: int) -> int:
+    """Puts checkpoint ``step`` into ``trainer``; returns its consecutive-skip count."""
+    target, _ = rl_snapshot(trainer, 0)
+    arrays, meta = ckpt.restore(step, target, to_dict(trainer.cfg))
+    trainer.policy.state = arrays["policy"]
+    if trainer.value is not None:
+        trainer.value.state = arrays["value"]
+    trainer.key = wrap_key(arrays["key"], trainer.key)
+    trainer.iteration = int(meta["step"])
+    trainer.prompts.restore(meta["prompts"])
+    if isinstance(trainer.kl_state, losses.AdaptiveKLState):  # a fixed one follows the config
+        trainer.kl_state = trainer.kl_state._replace(
+            kl_coef=jnp.asarray(meta["kl_coef"], jnp.float32)
+        )
+    return int(meta["skip_run"])
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -74,14 +122,24 @@ def format_summary(summary: dict[str, float]) -> str:
 
 def run_rl(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>"):
     """Runs ``cfg.train.steps`` RL iterations; writes config.yaml, metrics.jsonl,
-    metrics.png, summary.json and the final policy in Hugging Face format (hf/)."""
-    trainer = build_rl_trainer(cfg, mesh=mesh, source=source)
+    checkpoints/, metrics.png, summary.json and the final policy in Hugging Face format.
+
+    Resumes, checkpoints and stops on signals like :func:`jaxrlhf.train.loop.run`.
+    """
     main = jax.process_index() == 0
     run_dir = cfg.output_dir or os.path.join("runs", cfg.algorithm)
+    ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
+    trainer = build_rl_trainer(cfg, mesh=mesh, source=source)
+    history: list[dict[str, Any]] = []
+    skip_run = 0
+    if resume_step is not None:
+        skip_run = restore_rl(trainer, ckpt, resume_step)
+        history = read_history(run_dir, resume_step)
+        logger.info("resumed from %s/%d", ckpt.directory, resume_step)
     if main:
         os.makedirs(run_dir, exist_ok=True)
         dump_config(cfg, os.path.join(run_dir, CONFIG_FILE), header=f"resolved from {source}")
-    log = MetricsLogger(run_dir, cfg.logging, to_dict(cfg), enabled=main)
+    log = MetricsLogger(run_dir, cfg.logging, to_dict(cfg), enabled=main, history=history)
     progress = Progress(cfg.logging.progress, cfg.train.steps, cfg.algorithm, enabled=main)
     logger.info(
         "%s: %s policy parameters, mesh %s, %d rollout rows per iteration",
@@ -90,14 +148,27 @@ def run_rl(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>"
         dict(trainer.mesh.shape),
         trainer.algo.rollout.rows,
     )
+    steps = cfg.train.steps
     try:
-        for i in range(cfg.train.steps):
-            row = log.log(i + 1, trainer.step())
-            if (i + 1) % cfg.train.log_every == 0 or i + 1 == cfg.train.steps:
-                progress.update(i + 1, row, SUMMARY_KEYS)
-            else:
-                progress.update(i + 1)
+        with StopSignals() as signals:
+            for i in range(trainer.iteration, steps):
+                row = log.log(i + 1, trainer.step())
+                skipped = row.get("skipped", 0.0) + row.get("value/skipped", 0.0)
+                skip_run = skip_run + 1 if skipped > 0 else 0
+                check_skips(skip_run, i + 1, cfg.train.max_consecutive_skips, ckpt)
+                if (i + 1) % cfg.train.log_every == 0 or i + 1 == steps:
+                    progress.update(i + 1, row, SUMMARY_KEYS)
+                else:
+                    progress.update(i + 1)
+                if ckpt.due(i + 1) and i + 1 != steps:
+                    ckpt.save(i + 1, *rl_snapshot(trainer, skip_run))
+                signum = signals.requested()
+                if signum is not None and i + 1 != steps:
+                    ckpt.save(i + 1, *rl_snapshot(trainer, skip_run), wait=True)
+                    raise Preempted(signum, i + 1, ckpt.directory)
+            ckpt.save(steps, *rl_snapshot(trainer, skip_run), wait=True)
     finally:
+        ckpt.close()
         progress.close()
         log.close()
     summary = summarize(log.history)

@@ -300,7 +300,8 @@ def rl_update(
       mesh: the mesh.
 
     Returns:
-      New states and metrics: the mean over all minibatches, plus ``first/<key>`` from the
+      New states and metrics: the mean over all minibatches (``skipped``: the number of
+      updates dropped for a non-finite loss or gradient), plus ``first/<key>`` from the
       first minibatch of the first epoch (its policy ratio is exactly 1: same params, same
       forward as the one that produced ``old_logprobs``).
     """
@@ -339,7 +340,7 @@ def rl_update(
         return jax.lax.scan(minibatch_step, states, minibatches)
 
     states, metrics = jax.lax.scan(epoch, states, jax.random.split(key, epochs))
-    out = {k: v.mean() for k, v in metrics.items()}
+    out = {k: v.sum() if k.endswith("skipped") else v.mean() for k, v in metrics.items()}
     for k in ("policy/ratio_mean", "policy/ratio_max", "policy/approx_kl", "policy/clip_frac"):
         if k in metrics:
             out[f"first/{k}"] = metrics[k][0, 0]

@@ -153,7 +153,9 @@ def train_step(
 
     ``key`` is unused by the supervised and preference objectives (the models have no
     dropout); it keeps the signature every trainer's step shares (RL steps sample).
-    Metrics add ``grad_norm`` (before clipping) and ``lr`` (of this update).
+    Metrics add ``grad_norm`` (before clipping), ``lr`` (of this update) and ``skipped``
+    (1.0 when the update was dropped because a ``loss/*`` metric, the gradient or the
+    optimizer's update was not finite: the returned state then equals ``state``).
     """
     del key
     grads, metrics = accumulate_gradients(
@@ -166,10 +168,25 @@ def train_step(
         rules=rules,
         grad_shardings=grad_shardings,
     )
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm)
+    for name, value in metrics.items():
+        if name.startswith("loss/"):
+            finite = finite & jnp.all(jnp.isfinite(value))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    finite = finite & jnp.isfinite(optax.tree.norm(updates))  # e.g. a bad lr or epsilon
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=lr_fn(state.step))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    # A non-finite loss or gradient leaves params, optimizer moments and the step
+    # counter exactly as they were; the host counts the skips.
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    metrics = dict(
+        metrics,
+        grad_norm=grad_norm,
+        lr=lr_fn(state.step),
+        skipped=(~finite).astype(jnp.float32),
+    )
+    return new_state, metrics
 
 
 def eval_step(

@@ -1,0 +1,117 @@
+"""Graceful stop on SIGTERM/SIGINT, and the errors that end a run early.
+
+The training loops run inside :class:`StopSignals`: the first signal only sets a flag, the
+loop notices it after the current step, writes a checkpoint and raises :class:`Preempted`;
+a second signal interrupts at once (the previous checkpoint stays usable: saves are atomic).
+With several processes the flag is agreed on with an all-gather, so every process stops
+after the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving a checkpoint.
+
+    Attributes:
+      signum: the signal received.
+      step: the step the checkpoint holds.
+      directory: the checkpoint directory.
+    """
+
+    def __init__(self, signum: int, step: int, directory: str) -> None:
+        self.signum, self.step, self.directory = signum, step, directory
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name}: stopped after step {step}; checkpoint saved in {directory}. "
+            "Resume by running the same command again (or add --resume)."
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """The conventional ``128 + signal`` status, so schedulers see a signalled stop."""
+        return 128 + self.signum
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+def check_skips(run: int, step: int, limit: int, checkpointer: Any) -> None:
+    """Raises :class:`TrainingDiverged` when ``run`` consecutive updates were skipped.
+
+    Args:
+      run: the longest run of consecutive skipped updates seen (RL: iterations with one).
+      step: the current step, for the message.
+      limit: ``train.max_consecutive_skips``.
+      checkpointer: the run's :class:`~jaxrlhf.train.checkpointing.RunCheckpointer`.
+    """
+    if run >= limit:
+        raise TrainingDiverged(
+            f"step {step}: {run} consecutive updates had a non-finite loss or gradient "
+            f"(train.max_consecutive_skips={limit}); stopped without saving. The newest "
+            f"checkpoint is step {checkpointer.last_saved} in {checkpointer.directory}. "
+            "Lower optimizer.lr, set optimizer.max_grad_norm or check the data."
+        )
+
+
+class StopSignals:
+    """Context manager catching SIGTERM and SIGINT while a run trains.
+
+    Handlers are installed only in the main thread of the main interpreter (elsewhere,
+    e.g. a notebook's worker thread, signals keep their defaults and ``requested`` is
+    always None).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # a second signal: stop now
+            self.__exit__()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            sys.exit(128 + signum)
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name} received: finishing the current step and "
+            "saving a checkpoint (send it again to stop immediately)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def requested(self) -> int | None:
+        """The signal to stop on, agreed by all processes (None: keep training)."""
+        local = self.signum or 0
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            every = multihost_utils.process_allgather(np.int32(local))
+            local = int(np.max(every))
+        return local or None
