@@ -512,13 +512,17 @@ class Sampler:
         Args:
           params: LM params in this sampler's layout (see ``to_generate_layout``).
           prompt_tokens: [B, P] int32 prompt ids (left padding is usual; any side works).
+            Host arrays hold the whole batch: with several processes every process
+            passes the same values, and each places its devices' rows from them.
           prompt_mask: [B, P] bool, True at real tokens; every row needs one.
           key: a PRNG key (``jax.random.key``); the same key gives the same output.
           sampling: the sampling parameters.
           loop: ``"scan"`` (fixed trip count) or ``"while"`` (stops when all rows are done).
 
         Returns:
-          A SampleOutput with ``B * sampling.n`` rows.
+          A SampleOutput with ``B * sampling.n`` rows. With several processes its arrays
+          are global (sharded over every process's devices); fetch them with
+          ``jaxrlhf.sharding.distributed.to_host``, not ``jax.device_get``.
         """
         if loop not in LOOPS:
             raise ValueError(f"loop={loop!r} is not one of {list(LOOPS)}")

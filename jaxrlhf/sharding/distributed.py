@@ -114,6 +114,34 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def to_host(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a numpy array holding the whole value, on every process.
+
+    With one process this is ``jax.device_get``. With several, a leaf sharded over devices
+    of other processes is all-gathered (``process_allgather``), so every process sees the
+    same full values, e.g. a rollout that host code (reward functions, decoding) reads.
+    A fully replicated leaf is read from a local copy without communication. All
+    processes must call this with the same tree (the all-gathers are collectives).
+
+    Args:
+      tree: pytree of ``jax.Array`` (or host values, returned as numpy).
+
+    Returns:
+      The same pytree of ``np.ndarray``.
+    """
+
+    def leaf(x: Any) -> np.ndarray:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(leaf, tree)
+
+
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 

@@ -36,6 +36,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.sharding import make_mesh, rules_for
+from jaxrlhf.sharding.distributed import to_host
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.train import rl_steps, steps
 from jaxrlhf.train.loop import _init_params, _model_config, _put
@@ -125,7 +126,7 @@ class RLTrainer:
         out = self.sampler.generate(
             gen_params, host_prompts["tokens"], host_prompts["mask"], key, self.sampling
         )
-        out = jax.device_get(out)
+        out = to_host(out)  # the whole rollout on every process (reward functions read it)
         del gen_params
         timings["time/generate_s"] = time.perf_counter() - start
         tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
@@ -160,7 +161,7 @@ class RLTrainer:
             scores = call_reward_fn(self.reward_fn, prompts, completions)
         else:
             batch = self._put({k: rollout[k] for k in ("tokens", "mask")})
-            scores = np.asarray(jax.device_get(self.fns["reward"](self.rm_params, batch)))
+            scores = to_host(self.fns["reward"](self.rm_params, batch))
         scores = scores - overlong_penalty(
             rollout["lengths"],
             rollout["stopped"],
@@ -257,11 +258,11 @@ class RLTrainer:
         self.policy.state = states[0]
         if self.value is not None:
             self.value.state = states[1]
-        update_metrics = jax.device_get(update_metrics)
+        update_metrics = to_host(update_metrics)
         timings["time/train_s"] = time.perf_counter() - start
         self.last_scored = scored  # for inspection (tests, notebooks)
         metrics = {k: float(v) for k, v in update_metrics.items()}
-        scored_m = jax.device_get({k[2:]: v for k, v in scored.items() if k.startswith("m/")})
+        scored_m = to_host({k[2:]: v for k, v in scored.items() if k.startswith("m/")})
         metrics.update({k: float(v) for k, v in scored_m.items()})
         metrics.update(timings)
         return metrics
