@@ -219,11 +219,9 @@ def plot_history(
 ) -> str | None:
     """Writes a PNG with one panel per key (train and ``eval/`` curves). Returns the path,
     or None when matplotlib is not installed (logged) or there is nothing to plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure on its own Agg canvas: pyplot's global backend (a notebook's) is untouched
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         logger.info("plot skipped: matplotlib is not installed (metrics are in %s)", METRICS_FILE)
         return None
@@ -232,7 +230,9 @@ def plot_history(
         return None
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axs = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    fig = Figure(figsize=(4.5 * cols, 3.2 * rows))
+    FigureCanvasAgg(fig)
+    axs = fig.subplots(rows, cols, squeeze=False)
     for ax, key in zip(axs.flat, panels, strict=False):
         for name, label in ((key, "train"), (f"eval/{key}", "eval")):
             points = [(r["step"], r[name]) for r in history if name in r]
@@ -246,5 +246,4 @@ def plot_history(
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

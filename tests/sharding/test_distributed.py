@@ -86,8 +86,11 @@ def _run_workers(args: list[list[str]], log_dir: Path, timeout_s: float) -> list
             )
     deadline = time.monotonic() + timeout_s
     hung = False
-    while any(p.poll() is None for p in procs):
-        failed = any(p.returncode not in (None, 0) for p in procs)
+    while True:
+        codes = [p.poll() for p in procs]  # poll every process: no short-circuit
+        if None not in codes:
+            break
+        failed = any(c not in (None, 0) for c in codes)
         hung = time.monotonic() > deadline
         if failed or hung:
             for p in procs:
