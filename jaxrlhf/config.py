@@ -64,6 +64,7 @@ PRESETS = (
     "llama2_7b",
     "mistral_7b",
     "qwen2_7b",
+    "qwen2_5_1_5b",
     "gemma_2b",
     "gpt2",
 )
@@ -449,6 +450,10 @@ def validate(
     except MeshError as e:
         ctx.fail("mesh", str(e))
     t = cfg.train
+    if cfg.algorithm in ("ppo", "grpo"):
+        # RL batches are rollouts: their sizes are checked against the mesh when the
+        # trainer is built (rows per minibatch, micro-batches); batch_size is unused.
+        return model_cfg
     if t.micro_batch_size is None:
         if t.batch_size % shards:
             ctx.fail(

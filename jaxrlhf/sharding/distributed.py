@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,41 @@ def initialize(
         jax.local_device_count(),
         jax.device_count(),
     )
+
+
+def initialize_from_env(environ: dict[str, str] | None = None) -> None:
+    """:func:`initialize` as the CLI calls it: auto-detection, or an explicit job.
+
+    An explicit job is described by ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (with
+    ``JAX_COORDINATOR_ADDRESS=host:port``, which JAX reads itself): start the same command
+    on every host with its own ``JAX_PROCESS_ID``. Without them, TPU pods, Slurm, Open MPI
+    and Kubernetes are detected, and a lone process is left alone.
+
+    Raises:
+      MeshError: the variables are incomplete or not integers (one line).
+    """
+    env = os.environ if environ is None else environ
+    num, pid = env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
+    if num is None and pid is None:
+        initialize()
+        return
+    from jaxrlhf.sharding.mesh import MeshError
+
+    if num is None or pid is None or "JAX_COORDINATOR_ADDRESS" not in env:
+        raise MeshError(
+            "an explicit multi-process job needs JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES "
+            f"and JAX_PROCESS_ID; got JAX_NUM_PROCESSES={num}, JAX_PROCESS_ID={pid}, "
+            f"JAX_COORDINATOR_ADDRESS={env.get('JAX_COORDINATOR_ADDRESS')}"
+        )
+    try:
+        num_processes, process_id = int(num), int(pid)
+    except ValueError:
+        raise MeshError(
+            f"JAX_NUM_PROCESSES={num!r} and JAX_PROCESS_ID={pid!r} must be integers"
+        ) from None
+    if not 0 <= process_id < num_processes:
+        raise MeshError(f"JAX_PROCESS_ID={process_id} is not in [0, {num_processes})")
+    initialize(num_processes=num_processes, process_id=process_id)
 
 
 def is_main_process() -> bool:

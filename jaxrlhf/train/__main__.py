@@ -28,7 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="same as --set")
     parser.add_argument(
-        "--dry-run", action="store_true", help="validate, print model size and memory, exit"
+        "--dry-run",
+        action="store_true",
+        help="compile every phase on abstract inputs (CPU, no data or weights read) and print "
+        "parameters per role and memory per device per phase; then exit",
+    )
+    parser.add_argument(
+        "--device-memory", metavar="SIZE", help="with --dry-run: check the peak fits SIZE (80GB)"
+    )
+    parser.add_argument(
+        "--device-kind",
+        metavar="KIND",
+        help="with --dry-run: check against a known device's "
+        "memory (h100, a100-40gb, tpu-v5e, tpu-v5p, ...)",
     )
     parser.add_argument(
         "--resume",
@@ -39,10 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("jaxrlhf").setLevel(logging.INFO)
-    if not args.dry_run:  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
-        from jaxrlhf.sharding import initialize
-
-        initialize()
 
     from jaxrlhf.data import DataError
     from jaxrlhf.models.safetensors_io import CheckpointError
@@ -53,6 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrlhf.train.rewards import RewardError
 
     try:
+        if args.dry_run:  # exit 1 when a phase does not fit the device memory
+            from jaxrlhf.train import dry_run
+
+            overrides = [*args.set, *args.overrides]
+            return dry_run.cli(
+                args.config, overrides, memory=args.device_memory, kind=args.device_kind
+            )
+        if args.device_memory is not None or args.device_kind is not None:
+            raise ConfigError("command line: --device-memory and --device-kind need --dry-run")
+        from jaxrlhf.sharding.distributed import initialize_from_env
+
+        initialize_from_env()  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
         stages = pipeline_stages(args.config) or [args.config]
         for i, path in enumerate(stages):
             if len(stages) > 1:
@@ -63,9 +83,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(path, overrides)
             from jaxrlhf.train import loop
 
-            if args.dry_run:
-                print(loop.describe(cfg, source=path))
-                continue
             loop.run(cfg, source=path)
     except (
         ConfigError,

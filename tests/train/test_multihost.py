@@ -51,7 +51,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(args: list[list[str]], log_dir: Path, timeout_s: float) -> None:
+def _run_workers(
+    args: list[list[str]],
+    log_dir: Path,
+    timeout_s: float,
+    *,
+    program: list[str] | None = None,
+    envs: list[dict[str, str]] | None = None,
+) -> None:
     """Runs ``multihost_worker.py`` once per argument list, all at once.
 
     Fails the test when a process exits non-zero or the run exceeds ``timeout_s``, showing
@@ -65,13 +72,14 @@ def _run_workers(args: list[list[str]], log_dir: Path, timeout_s: float) -> None
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     log_paths = [log_dir / f"process_{i}.log" for i in range(len(args))]
+    program = program or [sys.executable, worker.__file__]
     procs = []
-    for a, log_path in zip(args, log_paths, strict=True):
+    for i, (a, log_path) in enumerate(zip(args, log_paths, strict=True)):
         with open(log_path, "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, worker.__file__, *a],
-                    env=env,
+                    [*program, *a],
+                    env={**env, **(envs[i] if envs else {})},
                     cwd=REPO_ROOT,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -163,3 +171,53 @@ def test_two_processes_train_like_one(algorithm, tmp_path):
             np.testing.assert_array_equal(logged, values, err_msg=key)
     assert (run_dir / "hf" / "config.json").is_file()
     assert (run_dir / "checkpoints" / str(worker.STEPS)).is_dir()
+
+
+def test_cli_two_processes_train_then_resume(tmp_path):
+    """``python -m jaxrlhf.train`` started twice with JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    joins one job: it trains 2 steps and checkpoints, then a second launch resumes (each
+    process restoring its shards) to step 4. Losses match one process on 8 devices (1e-5,
+    see the module docstring)."""
+    from jaxrlhf.train import loop
+    from tests.train.helpers import config, mesh
+
+    run_dir = tmp_path / "run"
+    args = [
+        "logging.progress=none",
+        "logging.plot=false",
+        "checkpoint.export_hf=false",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "data.eval_size=32",
+        "optimizer.schedule=constant",
+        "optimizer.warmup_steps=0",
+        "mesh.data=2",
+        "mesh.fsdp=4",
+    ]
+    cli = [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/tiny_sft.yaml"]
+    for steps in (2, 4):
+        port = _free_port()
+        envs = [
+            {
+                "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+            }
+            for i in range(2)
+        ]
+        argv = [f"output_dir={run_dir}", f"train.steps={steps}", *args]
+        _run_workers([argv, argv], tmp_path, TIMEOUT_S, program=cli, envs=envs)
+        assert (run_dir / "checkpoints" / str(steps)).is_dir()
+    log = (tmp_path / "process_0.log").read_text()
+    assert "resumed from" in log, log[-3000:]
+    with open(run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    got = [(r["step"], r["loss/sft"]) for r in rows if "loss/sft" in r]
+
+    one = config("tiny_sft", tmp_path / "one", *args, "train.steps=4")
+    want = loop.run(one, mesh=mesh(2, 4, 1))
+    expected = want.rows("loss/sft")
+    assert [s for s, _ in got] == [s for s, _ in expected] == [1, 2, 3, 4]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in expected], atol=METRIC_ATOL)
