@@ -160,7 +160,15 @@ class RunCheckpointer:
                 args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(target))),
             )
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types
-            raise CheckpointError(f"{path}: cannot restore the run state: {_line(e)}") from None
+            earlier = [s for s in self.steps() if s < step]
+            hint = (
+                f"; if it is damaged, delete it to resume from step {earlier[-1]}"
+                if earlier
+                else ""
+            )
+            raise CheckpointError(
+                f"{path}: cannot restore the run state ({_line(e)}){hint}"
+            ) from None
         return out["state"], dict(meta)
 
     def wait(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,18 +172,30 @@ def test_ppo_killed_then_resumed_equals_uninterrupted(tmp_path):
 # ---- resume on another mesh --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1)])
-def test_resume_on_another_mesh(tmp_path, shape):
-    args = (*SFT_ARGS, "checkpoint.every=0", "logging.plot=false", "checkpoint.export_hf=false")
-    ref = loop.run(config("tiny_sft", tmp_path / "ref", *args, "train.steps=6"))
-    run_dir = tmp_path / "run"
-    first = loop.run(config("tiny_sft", run_dir, *args, "train.steps=3"))
+MESH_ARGS = (*SFT_ARGS, "checkpoint.every=0", "logging.plot=false", "checkpoint.export_hf=false")
+
+
+@pytest.fixture(scope="module")
+def three_of_six(tmp_path_factory):
+    """An uninterrupted 6-step run, and the run directory of the same run stopped at 3
+    (both on the 8-device mesh)."""
+    tmp = tmp_path_factory.mktemp("mesh")
+    ref = loop.run(config("tiny_sft", tmp / "ref", *MESH_ARGS, "train.steps=6"))
+    first = loop.run(config("tiny_sft", tmp / "run", *MESH_ARGS, "train.steps=3"))
     assert first.trainer.mesh.shape["fsdp"] == 8
+    return ref, tmp / "run"
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1)])
+def test_resume_on_another_mesh(tmp_path, three_of_six, shape):
+    ref, saved = three_of_six
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir)
     other = mesh(*shape)
     cfg = config(
         "tiny_sft",
         run_dir,
-        *args,
+        *MESH_ARGS,
         "train.steps=6",
         f"mesh.data={shape[0]}",
         f"mesh.fsdp={shape[1]}",
