@@ -274,6 +274,30 @@ class ModelConfig:
         )
 
     @classmethod
+    def qwen2_5_1_5b(cls, **overrides: Any) -> ModelConfig:
+        """Qwen2.5-1.5B (Qwen/Qwen2.5-1.5B config.json; 1.54B params, tied embeddings).
+
+        The -Instruct variant differs only in ``eos_token_id`` (151645, ``<|im_end|>``) and
+        ``max_position_embeddings`` (32768). Any field may be overridden.
+        """
+        base: dict[str, Any] = dict(
+            family="qwen2",
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_layers=28,
+            num_heads=12,
+            num_kv_heads=2,
+            max_position_embeddings=131072,
+            rope_theta=1000000.0,
+            qkv_bias=True,
+            tie_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151643,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
     def gemma_2b(cls, **overrides: Any) -> ModelConfig:
         return cls(
             family="gemma",

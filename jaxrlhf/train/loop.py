@@ -36,7 +36,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params, save_hf
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.sharding import make_mesh, rules_for
-from jaxrlhf.sharding.model_sharding import build_sharded, bytes_per_device, param_shardings
+from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.train import dpo, reward_model, sft, steps
 from jaxrlhf.train.checkpointing import (
     RunCheckpointer,
@@ -317,35 +317,6 @@ def build_trainer(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<c
         num_micro=num_micro,
         key=step_key,
         prepare=prepare,
-    )
-
-
-def describe(cfg: RunConfig, *, source: str = "<config>") -> str:
-    """What a run would use, without touching data or allocating device memory: the
-    model's parameter count, the mesh, the accumulation and per-device parameter + AdamW
-    state bytes under the training rules (activations not included)."""
-    model_cfg = validate(cfg, source=source)
-    objective = TRAINERS[cfg.algorithm](getattr(cfg, cfg.algorithm))
-    mesh = make_mesh(cfg.mesh)
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    abstract = model_lib.abstract_params(model_cfg, objective.head)
-    sh = param_shardings(model_cfg, mesh, rules_for(objective.role, "train"), objective.head)
-    param_bytes = max(bytes_per_device(sh, abstract).values())
-    # AdamW keeps two moments per parameter (mu in mu_dtype, nu in the param dtype).
-    mu_size = jnp.dtype(cfg.optimizer.mu_dtype or model_cfg.param_dtype).itemsize
-    opt_bytes = param_bytes + param_bytes * mu_size // jnp.dtype(model_cfg.param_dtype).itemsize
-    n = model_lib.param_count(abstract)
-    return "\n".join(
-        [
-            f"algorithm: {cfg.algorithm} ({objective.role}, {objective.head} head)",
-            f"model: {model_cfg.family}, {n:,} parameters, dtype {model_cfg.dtype}, "
-            f"params {model_cfg.param_dtype}",
-            f"mesh: {dict(mesh.shape)} ({mesh.size} device(s))",
-            f"batch: {cfg.train.batch_size} rows x {cfg.data.max_length} tokens, "
-            f"{num_micro_batches(cfg, shards)} micro-batch(es) per update",
-            f"per device: params {param_bytes / 2**20:.2f} MiB + optimizer state "
-            f"{opt_bytes / 2**20:.2f} MiB (activations not included)",
-        ]
     )
 
 

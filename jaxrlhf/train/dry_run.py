@@ -1,0 +1,401 @@
+"""``--dry-run``: will this run fit? Parameters per role and compiled memory per phase.
+
+:func:`plan` builds every role's parameters as ``jax.ShapeDtypeStruct`` (no device memory),
+jits each phase's programs exactly as the trainers do (same functions, shardings and
+donation), lowers and compiles them against abstract inputs on the configured mesh, and
+reads XLA's memory analysis of each compiled program (bytes per device: arguments, outputs,
+aliased (donated) buffers, temporaries). :func:`format_report` prints the table;
+:func:`cli` is what ``python -m jaxrlhf.train --config FILE --dry-run`` runs.
+
+Phases and their programs::
+
+    generate  prefill, decode      the sampler (KV cache, n samples per prompt)
+    score     reward, score        reward model (if any); policy/reference/value forwards
+    train     update | train_step  RL: epochs x minibatches x micro-batches; else one step
+
+A program's peak per device is ``arguments + outputs - aliased + temporaries`` plus
+everything else that stays on the device while it runs (``resident``: the other roles'
+parameters and optimizer states, the generate-layout copy of the policy), counted from the
+shardings. ``state`` is the analytic part alone: parameters and optimizer states present
+during the phase, without activations.
+
+Where the numbers come from, and what they are worth:
+
+* Programs are compiled by XLA:CPU on fake CPU devices (``jax_num_cpu_devices``), whatever
+  machine runs the dry run, so no accelerator time is spent and a 64-chip mesh plans on a
+  laptop. XLA:CPU is an *estimate* of GPU/TPU memory: it fuses and schedules differently,
+  may keep bf16 matmul operands in float32, and knows nothing of allocator fragmentation,
+  cuDNN workspaces or the runtime's reserve (JAX on GPU preallocates 75% of memory unless
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise). Leave headroom.
+* A mesh needs as many devices as it has; :func:`cli` sets the CPU device count before JAX
+  starts, or re-runs itself in a subprocess when this process already started JAX with
+  fewer devices. A ``-1`` (fill) mesh axis fills the devices this process sees.
+* Nothing is read but the config: no data, no tokenizer, no weights. A model section must
+  therefore name a ``preset`` (or an ``hf_dir`` whose config.json exists); a reward model
+  or DPO reference whose checkpoint is absent is planned with the policy's architecture
+  (the report says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from jaxrlhf.config import (
+    COMMAND_LINE,
+    RL_ALGORITHMS,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    load_config,
+    validate,
+)
+from jaxrlhf.sharding import MeshConfig, MeshError, make_mesh
+from jaxrlhf.train import dry_run_phases as phases
+from jaxrlhf.train.dry_run_phases import DryRunError, ProgramMemory, RoleMemory
+
+__all__ = [
+    "DEVICE_KINDS",
+    "DryRunError",
+    "DryRunReport",
+    "ProgramMemory",
+    "RoleMemory",
+    "cli",
+    "device_memory",
+    "format_report",
+    "parse_memory",
+    "plan",
+]
+
+GiB = 2**30
+_CHILD_ENV = "JAXRLHF_DRY_RUN_CHILD"
+
+# HBM per device of known accelerators (GiB, as sold; the usable part is a little less).
+DEVICE_KINDS: dict[str, float] = {
+    "h100": 80,
+    "h200": 141,
+    "b200": 180,
+    "a100-80gb": 80,
+    "a100-40gb": 40,
+    "l4": 24,
+    "a10g": 24,
+    "tpu-v4": 32,
+    "tpu-v5e": 16,
+    "tpu-v5p": 95,
+    "tpu-v6e": 32,
+}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory(text: str) -> int:
+    """``"80GB"`` -> 80e9 bytes. Units B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB.
+
+    Raises:
+      ValueError: not a positive number with one of those units (one-line message).
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"cannot read {text!r} as a memory size (expected a positive number and a unit, "
+            "e.g. 80GB, 16GiB, 512MB)"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def device_memory(memory: str | None, kind: str | None) -> tuple[int | None, str]:
+    """Bytes per device from ``--device-memory`` or ``--device-kind``, and a label.
+
+    Raises:
+      ConfigError: both given, an unreadable size or an unknown kind (one line).
+    """
+    if memory is not None and kind is not None:
+        raise ConfigError(f"{COMMAND_LINE}: give --device-memory or --device-kind, not both")
+    if memory is not None:
+        try:
+            return parse_memory(memory), memory.strip()
+        except ValueError as e:
+            raise ConfigError(f"{COMMAND_LINE}: --device-memory: {e}") from None
+    if kind is not None:
+        key = kind.strip().lower()
+        if key not in DEVICE_KINDS:
+            raise ConfigError(
+                f"{COMMAND_LINE}: --device-kind: unknown kind {kind!r} (known: "
+                f"{', '.join(DEVICE_KINDS)}; or give --device-memory)"
+            )
+        return int(DEVICE_KINDS[key] * GiB), f"{key}, {DEVICE_KINDS[key]:g} GiB"
+    return None, ""
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunReport:
+    """What :func:`plan` found; :func:`format_report` prints it."""
+
+    source: str
+    algorithm: str
+    model: str
+    mesh: dict[str, int]
+    platform: str
+    shapes: str
+    roles: tuple[RoleMemory, ...]
+    programs: tuple[ProgramMemory, ...]
+    device_memory: int | None
+    device_label: str
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def peak(self) -> ProgramMemory:
+        return max(self.programs, key=lambda p: p.peak_bytes)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every program's peak fits ``device_memory`` (None: not checked)."""
+        if self.device_memory is None:
+            return None
+        return self.peak.peak_bytes <= self.device_memory
+
+    def reason(self) -> str:
+        """One line: the verdict."""
+        p = self.peak
+        where = f"{p.phase}/{p.name} peaks at {_gib(p.peak_bytes)} per device"
+        if self.device_memory is None:
+            return f"{where}; fit not checked (give --device-memory or --device-kind)"
+        head = self.device_memory - p.peak_bytes
+        if head < 0:
+            return f"does not fit: {where}, over {_gib(self.device_memory)} ({self.device_label})"
+        pct = 100 * head / self.device_memory
+        return f"fits: {where}, {_gib(head)} ({pct:.0f}%) headroom of {_gib(self.device_memory)}"
+
+
+def _gib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+def format_report(report: DryRunReport) -> str:
+    """The dry-run table (roles, then one row per compiled program) and the verdict."""
+    mesh = " x ".join(f"{k}={v}" for k, v in report.mesh.items())
+    lines = [
+        f"dry run of {report.source}: {report.algorithm}, {report.model}",
+        f"mesh {mesh} ({report.devices} device(s)); {report.shapes}",
+        "",
+        f"{'role':<10} {'head':<7} {'parameters':>15} {'params/device':>14} "
+        f"{'generate/dev':>13} {'optimizer/dev':>14}",
+    ]
+    for r in report.roles:
+        lines.append(
+            f"{r.role:<10} {r.head:<7} {r.params:>15,} {_gib(r.param_bytes):>14} "
+            f"{_gib(r.generate_bytes):>13} {_gib(r.optimizer_bytes or None):>14}"
+            + (f"  ({r.note})" if r.note else "")
+        )
+    fit_col = report.device_memory is not None
+    lines += [
+        "",
+        "bytes per device, compiled (XLA memory analysis) + resident (other roles' state):",
+        f"{'phase':<9} {'program':<11} {'arguments':>11} {'outputs':>11} {'aliased':>11} "
+        f"{'temp':>11} {'resident':>11} {'peak':>11} {'state':>11} {'compile':>8}"
+        + ("  fits" if fit_col else ""),
+    ]
+    for p in report.programs:
+        row = (
+            f"{p.phase:<9} {p.name:<11} {_gib(p.argument_bytes):>11} {_gib(p.output_bytes):>11} "
+            f"{_gib(p.alias_bytes):>11} {_gib(p.temp_bytes):>11} {_gib(p.resident_bytes):>11} "
+            f"{_gib(p.peak_bytes):>11} {_gib(p.state_bytes):>11} {p.compile_s:>7.1f}s"
+        )
+        if fit_col:
+            row += "  yes" if p.peak_bytes <= report.device_memory else "  NO"
+        lines.append(row)
+    lines += [
+        "",
+        f"{report.reason()}.",
+        f"state = parameters + optimizer state per device (analytic, no activations). Compiled "
+        f"by {report.platform} in {report.seconds:.0f} s: an estimate of accelerator memory "
+        "(XLA:CPU fuses and schedules differently and may keep bf16 operands in f32; no "
+        "allocator fragmentation or runtime reserve).",
+    ]
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+# ---- entry points -----------------------------------------------------------------------------
+
+
+def plan(
+    cfg: RunConfig,
+    *,
+    mesh: Mesh | None = None,
+    source: str = "<config>",
+    device_memory: int | None = None,
+    device_label: str = "",
+) -> DryRunReport:
+    """Compiles every phase of ``cfg`` against abstract inputs and reports its memory.
+
+    Args:
+      cfg: the run config.
+      mesh: the mesh to compile for (default: ``cfg.mesh`` over this process's CPU devices,
+        which must be enough; see :func:`cli` for getting them).
+      source: the config's file name, for messages.
+      device_memory: bytes per device to check the peak against (None: not checked).
+      device_label: how to name that memory in the verdict.
+
+    Raises:
+      ConfigError, MeshError, ShardingRuleError: one-line user errors.
+    """
+    start = time.perf_counter()
+    if mesh is None:
+        devices = jax.devices("cpu")
+        needed = mesh_devices(cfg.mesh) or len(devices)
+        if needed > len(devices):
+            raise MeshError(
+                f"mesh {cfg.mesh.describe()} needs {needed} devices; this process has "
+                f"{len(devices)} CPU devices (use jaxrlhf.train.dry_run.cli)"
+            )
+        mesh = make_mesh(cfg.mesh, devices=devices[:needed])
+    model_cfg = validate(cfg, source=source, device_count=mesh.size)
+    planner = phases.Planner(cfg, model_cfg, mesh)
+    if cfg.algorithm in RL_ALGORITHMS:
+        shapes = phases.plan_rl(planner, source)
+    else:
+        shapes = phases.plan_supervised(planner)
+    device = mesh.devices.flat[0]
+    platform = f"XLA:{device.platform.upper()}"
+    if device.platform == "cpu":
+        platform += f" on {mesh.size} CPU device(s)"
+    return DryRunReport(
+        source=source,
+        algorithm=cfg.algorithm,
+        model=(
+            f"{model_cfg.family}, {planner.roles[0].params:,} parameters ({model_cfg.param_dtype} "
+            f"params, {model_cfg.dtype} compute, remat {model_cfg.remat})"
+        ),
+        mesh=dict(mesh.shape),
+        platform=platform,
+        shapes=shapes,
+        roles=tuple(planner.roles),
+        programs=tuple(planner.programs),
+        device_memory=device_memory,
+        device_label=device_label,
+        seconds=time.perf_counter() - start,
+        notes=tuple(planner.notes),
+    )
+
+
+def mesh_devices(mesh: MeshConfig) -> int | None:
+    """Devices the mesh needs, or None when an axis is -1 (fill whatever is there)."""
+    sizes = mesh.sizes()
+    return None if -1 in sizes else math.prod(sizes)
+
+
+def _configured_mesh(path: str, overrides: Sequence[str]) -> int | None:
+    """Devices the config's mesh asks for, read before JAX starts (None: -1 or unreadable;
+    load_config reports any error properly later)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        data, _ = apply_overrides(data, overrides)
+        return mesh_devices(MeshConfig(**(data.get("mesh") or {})))
+    except (OSError, yaml.YAMLError, ConfigError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _cpu_devices(n: int | None) -> bool:
+    """Points JAX, if it has not started yet, at ``n`` CPU devices (None: as configured);
+    returns whether this process has at least ``n``."""
+    try:
+        if n is not None:
+            jax.config.update("jax_num_cpu_devices", n)
+        jax.config.update("jax_platforms", "cpu")  # read when JAX starts, ignored after
+    except RuntimeError:  # JAX has started: its device count is fixed
+        pass
+    return n is None or len(jax.devices("cpu")) >= n
+
+
+def _run_child(path: str, overrides: Sequence[str], flags: Sequence[str], n: int) -> int:
+    """The dry run of one config in a fresh process with ``n`` CPU devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{_CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", path, "--dry-run", *flags]
+    cmd += [f"--set={o}" for o in overrides]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    sys.stdout.write(out.stdout)
+    sys.stderr.write(out.stderr)
+    return out.returncode
+
+
+def cli(
+    path: str,
+    overrides: Sequence[str] = (),
+    *,
+    memory: str | None = None,
+    kind: str | None = None,
+) -> int:
+    """``--dry-run`` of a config or pipeline file: prints each stage's table.
+
+    Returns:
+      0 when every stage fits (or no device memory was given), 1 when one does not (its
+      reason is printed as one line on stderr).
+
+    Raises:
+      ConfigError, MeshError, ShardingRuleError: one-line user errors (the CLI exits 2).
+    """
+    from jaxrlhf.train.pipeline import pipeline_stages
+
+    limit, label = device_memory(memory, kind)
+    flags = [f"--device-memory={memory}"] * (memory is not None)
+    flags += [f"--device-kind={kind}"] * (kind is not None)
+    stages = pipeline_stages(path) or [path]
+    status = 0
+    for i, stage in enumerate(stages):
+        if len(stages) > 1:
+            print(f"== stage {i + 1}/{len(stages)}: {stage}", flush=True)
+        needed = _configured_mesh(stage, overrides)
+        if not _cpu_devices(needed):
+            if os.environ.get(_CHILD_ENV):
+                raise MeshError(f"could not get {needed} CPU devices for the dry run")
+            status = max(status, _run_child(stage, overrides, flags, needed))
+            continue
+        cfg = load_config(stage, overrides, device_count=needed or len(jax.devices("cpu")))
+        try:
+            report = plan(cfg, source=stage, device_memory=limit, device_label=label)
+        except DryRunError as e:
+            print(f"error: {stage}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        print(format_report(report), flush=True)
+        if report.fits is False:
+            print(f"error: {stage}: {report.reason()}", file=sys.stderr)
+            status = 1
+    return status

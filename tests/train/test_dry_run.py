@@ -1,0 +1,309 @@
+"""``--dry-run``: the plan against the real trainers, the fit verdict, recipes and errors.
+
+What "matches the real run" means here, and the factors:
+
+* Programs. The dry run compiles the trainers' own jitted functions against abstract
+  inputs. The test runs the real trainer for one iteration, records the arguments each of
+  its jitted programs was called with, compiles those programs on the real arrays, and
+  compares XLA's memory analysis per program (arguments, outputs, aliased and temporary
+  bytes per device). Factor 1.05 (plus 1 KiB for scalars): they are the same programs; the
+  only intended difference is where the dry run puts uncommitted scalars (the KL
+  coefficient), which the real run passes as single-device arrays.
+* Resident state. The bytes each device really holds between steps (every role's
+  parameters and optimizer state: the shards of the real arrays, summed per device) must
+  equal the dry run's analytic ``state`` exactly (factor 1.0).
+
+XLA:CPU devices report no ``memory_stats()`` (None), so a peak cannot be read from the
+device here; the real executables' memory analysis is the measurement.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from jaxrlhf.config import load_config
+from jaxrlhf.models import model as model_lib
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.hf_checkpoint import save_hf
+from jaxrlhf.train import dry_run
+from jaxrlhf.train.__main__ import main
+from jaxrlhf.train.loop import build_trainer
+from jaxrlhf.train.rl_trainer import build_rl_trainer
+from tests.train import helpers
+
+RECIPES = os.path.join(helpers.CONFIGS, "recipes")
+FACTOR, SLACK = 1.05, 1024
+
+
+def _abstract(x):
+    if not isinstance(x, jax.Array | np.ndarray):
+        return x
+    committed = isinstance(x, jax.Array) and x.committed
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
+
+
+class Recorder:
+    """Wraps jitted functions; keeps each one's last call as abstract arguments."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def wrap(self, name, fn):
+        def recorded(*args):
+            self.calls[name] = (fn, jax.tree.map(_abstract, args))
+            return fn(*args)
+
+        return recorded
+
+    def memory(self, name):
+        fn, args = self.calls[name]
+        return fn.lower(*args).compile().memory_analysis()
+
+
+def _device_bytes(*trees) -> int:
+    """Max over devices of the bytes of the real arrays' shards."""
+    totals = {}
+    for x in jax.tree.leaves(trees):
+        for shard in x.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return max(totals.values())
+
+
+def _buffers(x) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def _assert_program_matches(planned: dry_run.ProgramMemory, real) -> None:
+    pairs = {
+        "argument": (planned.argument_bytes, real.argument_size_in_bytes),
+        "output": (planned.output_bytes, real.output_size_in_bytes),
+        "alias": (planned.alias_bytes, real.alias_size_in_bytes),
+        "temp": (planned.temp_bytes, real.temp_size_in_bytes),
+    }
+    for what, (got, want) in pairs.items():
+        assert got <= FACTOR * want + SLACK and want <= FACTOR * got + SLACK, (
+            f"{planned.phase}/{planned.name} {what}: dry run {got} B, real {want} B"
+        )
+
+
+def _ppo_config(tmp_path):
+    rm_dir = str(tmp_path / "rm")
+    tiny = ModelConfig.tiny()
+    save_hf(
+        rm_dir,
+        tiny,
+        model_lib.init_params(tiny, jax.random.key(1), head="scalar"),
+        head="scalar",
+    )
+    raw = {
+        "algorithm": "ppo",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny"},
+        "data": {
+            "train": "builtin:sort",
+            "max_length": 32,
+            "max_prompt_length": 16,
+            "builtin_size": 64,
+            "eval_size": 0,
+        },
+        "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
+        "train": {"steps": 1, "micro_batch_size": 1},
+        "logging": {"progress": "none"},
+        "ppo": {
+            "rollout": {"prompts_per_step": 16, "max_new_tokens": 6},
+            "loss": {"epochs": 2, "num_minibatches": 2},
+            "reward": {"function": None, "model_dir": rm_dir},
+        },
+    }
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(str(path), device_count=8)
+
+
+@pytest.mark.slow
+def test_ppo_plan_matches_real_run(tmp_path):
+    cfg = _ppo_config(tmp_path)
+    mesh = helpers.mesh(1, 4, 2)
+    report = dry_run.plan(cfg, mesh=mesh)
+    planned = {p.name: p for p in report.programs}
+    assert list(planned) == ["prefill", "decode", "reward", "score", "update"]
+    assert [r.role for r in report.roles] == ["policy", "reference", "value", "reward"]
+
+    trainer = build_rl_trainer(cfg, mesh=mesh)
+    rec = Recorder()
+    for name in ("reward", "score", "update"):
+        trainer.fns[name] = rec.wrap(name, trainer.fns[name])
+    sampler = trainer.sampler
+    prefill_fn, decode_fn = sampler._prefill_fn, sampler._decode_fn
+    sampler._prefill_fn = lambda *a: rec.wrap("prefill", prefill_fn(*a))
+    sampler._decode_fn = lambda *a: rec.wrap("decode", decode_fn(*a))
+    trainer.step()
+    assert set(rec.calls) == set(planned)
+    for name, program in planned.items():
+        _assert_program_matches(program, rec.memory(name))
+
+    held = _device_bytes(
+        trainer.policy.state, trainer.value.state, trainer.ref_params, trainer.rm_params
+    )
+    assert planned["score"].state_bytes == held
+    assert planned["update"].state_bytes == held
+    # Generation adds the sampler's copy of the policy parameters (replicated over fsdp);
+    # leaves whose layout does not change are not copied.
+    train = trainer.policy.state.params
+    gen, _ = sampler.to_generate_layout(train)
+    pairs = zip(jax.tree.leaves(train), jax.tree.leaves(gen), strict=True)
+    copied = [y for x, y in pairs if _buffers(x) != _buffers(y)]
+    assert len(copied) < len(jax.tree.leaves(gen))
+    assert planned["decode"].state_bytes == held + _device_bytes(copied)
+    assert report.roles[0].generate_bytes == _device_bytes(gen) > _device_bytes(train)
+
+
+def test_sft_plan_matches_real_run(tmp_path):
+    cfg = helpers.config("tiny_sft", tmp_path, "mesh.fsdp=8", "train.micro_batch_size=2")
+    mesh = helpers.mesh(1, 8, 1)
+    report = dry_run.plan(cfg, mesh=mesh)
+    (program,) = report.programs
+    assert (program.phase, program.name) == ("train", "train_step")
+
+    trainer = build_trainer(cfg, mesh=mesh)
+    rec = Recorder()
+    trainer.step_fn = rec.wrap("train_step", trainer.step_fn)
+    trainer.step()
+    _assert_program_matches(program, rec.memory("train_step"))
+    assert program.state_bytes == _device_bytes(trainer.state)
+    assert report.roles[0].params == model_lib.param_count(trainer.state.params)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_dpo_plan_scores_reference(tmp_path, precompute):
+    cfg = helpers.config(
+        "tiny_dpo",
+        tmp_path,
+        "mesh.fsdp=8",
+        f"dpo.precompute_reference={precompute}",
+        "dpo.reference_hf_dir=/nonexistent/ref",
+    )
+    report = dry_run.plan(cfg, mesh=helpers.mesh(1, 8, 1))
+    ref, step = report.programs
+    policy, reference = report.roles
+    assert (ref.name, step.name) == ("reference", "train_step")
+    assert reference.role == "reference" and reference.note == "policy architecture assumed"
+    trained = policy.param_bytes + policy.optimizer_bytes
+    assert ref.resident_bytes == trained
+    # A precomputed reference is freed before training; otherwise it stays beside the step.
+    assert step.resident_bytes == (0 if precompute else reference.param_bytes)
+    assert any("dpo.reference_hf_dir" in n for n in report.notes)
+
+
+def test_bf16_state_that_changes_dtype_is_noted(tmp_path):
+    """bf16 params + float32 accumulated gradients: Adam's mu comes back float32."""
+    overrides = ["mesh.fsdp=8", "model.param_dtype=bfloat16", "train.micro_batch_size=2"]
+    cfg = helpers.config("tiny_sft", tmp_path, *overrides)
+    (note,) = dry_run.plan(cfg, mesh=helpers.mesh(1, 8, 1)).notes
+    assert "mu['decoder']['embed']['embedding'] bfloat16 -> float32" in note
+    cfg = helpers.config("tiny_sft", tmp_path, *overrides, "optimizer.mu_dtype=bfloat16")
+    assert dry_run.plan(cfg, mesh=helpers.mesh(1, 8, 1)).notes == ()
+
+
+def test_format_report_and_verdict(tmp_path, capsys):
+    cfg = helpers.config("tiny_sft", tmp_path, "mesh.fsdp=8")
+    report = dry_run.plan(cfg, mesh=helpers.mesh(1, 8, 1), device_memory=10**9)
+    text = dry_run.format_report(report)
+    assert report.fits is True
+    for needle in ("parameters", "per device", "8 device(s)", "train_step", "fits:", "XLA:CPU"):
+        assert needle in text
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def test_cli_does_not_fit_exits_1(capsys):
+    path = os.path.join(helpers.CONFIGS, "tiny_sft.yaml")
+    code = main(["--config", path, "--dry-run", "--device-memory", "1MB", "mesh.fsdp=8"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "train_step" in out and "NO" in out
+    assert err.count("\n") == 1 and err.startswith("error: ") and "does not fit" in err
+
+
+def test_cli_program_that_does_not_compile_exits_1(tmp_path, capsys):
+    """bf16 params, float32 accumulated gradients, no mu_dtype: the update's scan refuses
+    the float32 first moment optax returns. One line names the program and the reason."""
+    raw = {
+        "algorithm": "grpo",
+        "model": {"preset": "tiny", "param_dtype": "bfloat16"},
+        "data": {"train": "builtin:sort", "max_length": 32, "max_prompt_length": 16},
+        "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
+        "train": {"micro_batch_size": 1},
+        "grpo": {"rollout": {"prompts_per_step": 8, "max_new_tokens": 4}},
+    }
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(path), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"error: {path}: train/update does not compile: TypeError: scan body")
+    assert main(["--config", str(path), "--dry-run", "optimizer.mu_dtype=bfloat16"]) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--device-memory", "80XB"], "--device-memory: cannot read '80XB'"),
+        (["--device-memory=-5GB"], "--device-memory: cannot read '-5GB'"),
+        (["--device-memory", "GB"], "--device-memory: cannot read 'GB'"),
+        (["--device-kind", "h1000"], "--device-kind: unknown kind 'h1000'"),
+        (["--device-memory", "80GB", "--device-kind", "h100"], "not both"),
+    ],
+)
+def test_cli_bad_device_memory_exits_2(flags, message, capsys):
+    path = os.path.join(helpers.CONFIGS, "tiny_sft.yaml")
+    assert main(["--config", path, "--dry-run", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: command line: ") and message in err
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("80GB", 80 * 10**9), ("16GiB", 16 * 2**30), ("512 MB", 512 * 10**6), ("1.5TiB", 1.5 * 2**40)],
+)
+def test_parse_memory(text, expected):
+    assert dry_run.parse_memory(text) == int(expected)
+
+
+def test_cli_mesh_larger_than_this_process_runs_in_a_child(capsys):
+    """16 devices from a process that has 8: the dry run re-runs itself with 16."""
+    path = os.path.join(helpers.CONFIGS, "tiny_sft.yaml")
+    assert main(["--config", path, "--dry-run", "mesh.fsdp=16", "train.batch_size=16"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=1 x fsdp=16 x tensor=1 (16 device(s))" in out
+    assert "fit not checked" in out
+
+
+# ---- recipes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(RECIPES)))
+def test_recipes_load_without_data_or_checkpoints(name):
+    """Every recipe validates on its own mesh size; the dry run needs no files."""
+    path = os.path.join(RECIPES, name)
+    needed = dry_run._configured_mesh(path, [])
+    cfg = load_config(path, device_count=needed)
+    assert not os.path.exists(cfg.data.train)  # the user's prompt file, not needed here
+
+
+@pytest.mark.slow
+def test_qwen_recipe_dry_run_fits_one_h100(capsys):
+    """The GRPO recipe through the CLI, cut to 4 of its 28 layers to keep the test near
+    20 s (the sampler's decode unrolls layers; the full dry runs are in docs/dry_run.md)."""
+    path = os.path.join(RECIPES, "qwen2.5_1.5b_grpo_1gpu.yaml")
+    args = ["--config", path, "--dry-run", "--device-kind", "h100", "model.num_layers=4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for needle in ("grpo, qwen2, ", "mesh data=1 x fsdp=1 x tensor=1", "decode", "fits:"):
+        assert needle in out
