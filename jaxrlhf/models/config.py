@@ -165,112 +165,124 @@ class ModelConfig:
 
     @classmethod
     def bench_s(cls, **overrides: Any) -> ModelConfig:
-        """bench-S of shared/bench/WORKLOADS.md (Llama architecture, ~2.6M params)."""
+        """bench-S of shared/bench/WORKLOADS.md (Llama architecture, 3.5M matmul params)."""
         return cls(
-            family="llama",
-            vocab_size=2048,
-            hidden_size=256,
-            intermediate_size=704,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=4,
-            max_position_embeddings=512,
-            rope_theta=10000.0,
-            norm_eps=1e-5,
-            **overrides,
+            **dict(
+                family="llama",
+                vocab_size=2048,
+                hidden_size=256,
+                intermediate_size=704,
+                num_layers=4,
+                num_heads=8,
+                num_kv_heads=4,
+                max_position_embeddings=512,
+                rope_theta=10000.0,
+                norm_eps=1e-5,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
     def bench_m(cls, **overrides: Any) -> ModelConfig:
         """bench-M of shared/bench/WORKLOADS.md (Llama architecture, ~100M params)."""
         return cls(
-            family="llama",
-            vocab_size=8192,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=4,
-            max_position_embeddings=1024,
-            rope_theta=10000.0,
-            norm_eps=1e-5,
-            **overrides,
+            **dict(
+                family="llama",
+                vocab_size=8192,
+                hidden_size=768,
+                intermediate_size=2048,
+                num_layers=12,
+                num_heads=12,
+                num_kv_heads=4,
+                max_position_embeddings=1024,
+                rope_theta=10000.0,
+                norm_eps=1e-5,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
     def llama3_8b(cls, **overrides: Any) -> ModelConfig:
         return cls(
-            family="llama",
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            max_position_embeddings=131072,
-            rope_theta=500000.0,
-            norm_eps=1e-5,
-            rope_scaling=RopeScaling(
-                type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            bos_token_id=128000,
-            eos_token_id=128001,
-            **overrides,
+            **dict(
+                family="llama",
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_layers=32,
+                num_heads=32,
+                num_kv_heads=8,
+                max_position_embeddings=131072,
+                rope_theta=500000.0,
+                norm_eps=1e-5,
+                rope_scaling=RopeScaling(
+                    type="llama3",
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=8192,
+                ),
+                bos_token_id=128000,
+                eos_token_id=128001,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
     def llama2_7b(cls, **overrides: Any) -> ModelConfig:
         return cls(
-            family="llama",
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_layers=32,
-            num_heads=32,
-            max_position_embeddings=4096,
-            norm_eps=1e-5,
-            bos_token_id=1,
-            eos_token_id=2,
-            **overrides,
+            **dict(
+                family="llama",
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=11008,
+                num_layers=32,
+                num_heads=32,
+                max_position_embeddings=4096,
+                norm_eps=1e-5,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
     def mistral_7b(cls, **overrides: Any) -> ModelConfig:
         return cls(
-            family="mistral",
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            max_position_embeddings=32768,
-            norm_eps=1e-5,
-            sliding_window=4096,
-            bos_token_id=1,
-            eos_token_id=2,
-            **overrides,
+            **dict(
+                family="mistral",
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_layers=32,
+                num_heads=32,
+                num_kv_heads=8,
+                max_position_embeddings=32768,
+                norm_eps=1e-5,
+                sliding_window=4096,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
     def qwen2_7b(cls, **overrides: Any) -> ModelConfig:
         return cls(
-            family="qwen2",
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_layers=28,
-            num_heads=28,
-            num_kv_heads=4,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            qkv_bias=True,
-            eos_token_id=151643,
-            **overrides,
+            **dict(
+                family="qwen2",
+                vocab_size=152064,
+                hidden_size=3584,
+                intermediate_size=18944,
+                num_layers=28,
+                num_heads=28,
+                num_kv_heads=4,
+                max_position_embeddings=32768,
+                rope_theta=1000000.0,
+                qkv_bias=True,
+                eos_token_id=151643,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
@@ -300,36 +312,40 @@ class ModelConfig:
     @classmethod
     def gemma_2b(cls, **overrides: Any) -> ModelConfig:
         return cls(
-            family="gemma",
-            vocab_size=256000,
-            hidden_size=2048,
-            intermediate_size=16384,
-            num_layers=18,
-            num_heads=8,
-            num_kv_heads=1,
-            head_dim=256,
-            max_position_embeddings=8192,
-            **_FAMILY_TRAITS["gemma"],
-            bos_token_id=2,
-            eos_token_id=1,
-            pad_token_id=0,
-            **overrides,
+            **dict(
+                family="gemma",
+                vocab_size=256000,
+                hidden_size=2048,
+                intermediate_size=16384,
+                num_layers=18,
+                num_heads=8,
+                num_kv_heads=1,
+                head_dim=256,
+                max_position_embeddings=8192,
+                **_FAMILY_TRAITS["gemma"],
+                bos_token_id=2,
+                eos_token_id=1,
+                pad_token_id=0,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
     @classmethod
     def gpt2(cls, **overrides: Any) -> ModelConfig:
         return cls(
-            family="gpt2",
-            vocab_size=50257,
-            hidden_size=768,
-            intermediate_size=3072,
-            num_layers=12,
-            num_heads=12,
-            max_position_embeddings=1024,
-            **_FAMILY_TRAITS["gpt2"],
-            bos_token_id=50256,
-            eos_token_id=50256,
-            **overrides,
+            **dict(
+                family="gpt2",
+                vocab_size=50257,
+                hidden_size=768,
+                intermediate_size=3072,
+                num_layers=12,
+                num_heads=12,
+                max_position_embeddings=1024,
+                **_FAMILY_TRAITS["gpt2"],
+                bos_token_id=50256,
+                eos_token_id=50256,
+            )
+            | overrides  # a preset's own fields may be overridden too
         )
 
 

@@ -174,6 +174,9 @@ def train_step(
         if name.startswith("loss/"):
             finite = finite & jnp.all(jnp.isfinite(value))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # Gradients are accumulated in float32; optax would then promote bf16 moments (with no
+    # mu_dtype) to float32, changing the state's dtypes and recompiling the next step.
+    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
     finite = finite & jnp.isfinite(optax.tree.norm(updates))  # e.g. a bad lr or epsilon
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)

@@ -183,3 +183,26 @@ def test_reward_model_from_a_causal_lm_export(tmp_path):
     metrics = trainer.evaluate()
     assert metrics["eval/rm/margin"] == 0.0
     assert metrics["eval/loss/rm"] == pytest.approx(np.log(2.0), abs=1e-6)
+
+
+def test_bf16_state_keeps_its_dtypes_under_accumulation(tmp_path):
+    """bf16 params, no mu_dtype, 2 micro-batches: float32-accumulated gradients must not turn
+    the Adam moments into float32 (that changed the state's type and recompiled step 2)."""
+    from jaxrlhf.train import loop
+    from tests.train.helpers import config
+
+    cfg = config(
+        "tiny_sft",
+        tmp_path,
+        "model.param_dtype=bfloat16",
+        "model.dtype=bfloat16",
+        "train.batch_size=32",
+        "train.micro_batch_size=2",
+        "data.eval_size=32",
+    )
+    trainer = loop.build_trainer(cfg)
+    assert trainer.num_micro == 2
+    before = jax.tree.map(lambda x: x.dtype, trainer.state)
+    assert jnp.bfloat16 in jax.tree.leaves(before)
+    trainer.step()
+    assert jax.tree.map(lambda x: x.dtype, trainer.state) == before
