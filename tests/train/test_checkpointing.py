@@ -31,7 +31,9 @@ from jaxrlhf.train.config import CheckpointConfig
 from jaxrlhf.train.preemption import TrainingDiverged
 from tests.train.helpers import CONFIGS, config, mesh
 
-pytestmark = pytest.mark.slow
+# Most XLA optimisations off here and in the subprocesses (_env): same programs on both
+# sides, so bitwise comparisons still hold, at a third less compile time.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compile")]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SFT = os.path.join(CONFIGS, "tiny_sft.yaml")
@@ -51,6 +53,7 @@ def _env() -> dict[str, str]:
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     env["PYTHONPATH"] = ROOT
     return env
 
@@ -99,7 +102,7 @@ def _assert_trees_equal(a, b):
 
 
 def test_sft_killed_then_resumed_equals_uninterrupted(tmp_path):
-    args = (*SFT_ARGS, "train.steps=30", "checkpoint.every=3", "logging.progress=none")
+    args = (*SFT_ARGS, "train.steps=20", "checkpoint.every=3", "logging.progress=none")
     ref = loop.run(config("tiny_sft", tmp_path / "ref", *args))
 
     run_dir = str(tmp_path / "killed")
@@ -109,7 +112,7 @@ def test_sft_killed_then_resumed_equals_uninterrupted(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = _committed_steps(ckpt_dir)[-1]
-    assert 0 < killed_at < 30, killed_at
+    assert 0 < killed_at < 20, killed_at
 
     resumed = loop.run(config("tiny_sft", run_dir, *args))
     assert resumed.history[0]["step"] == 0  # the first run's rows were kept...
@@ -131,7 +134,7 @@ def _ppo_config(tmp_path, name="ppo.yaml", **extra) -> str:
             "eval_size": 0,
         },
         "optimizer": {"lr": 1e-3, "schedule": "constant"},
-        "train": {"steps": 8, "log_every": 1},
+        "train": {"steps": 6, "log_every": 1},
         "logging": {"progress": "none", "plot": False},
         "checkpoint": {"every": 2, "export_hf": False},
         "ppo": {
@@ -160,7 +163,7 @@ def test_ppo_killed_then_resumed_equals_uninterrupted(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = _committed_steps(ckpt_dir)[-1]
-    assert 0 < killed_at < 8, killed_at
+    assert 0 < killed_at < 6, killed_at
 
     resumed = loop.run(load_config(path, [f"output_dir={run_dir}"]))
     assert _untimed(resumed.history) == _untimed(ref.history)
