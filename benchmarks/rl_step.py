@@ -9,7 +9,9 @@ policy over the 32 sequences in one micro-batch, KL beta 0.04 (k3 loss term).
 R2: R1 plus a critic and a reward model of the same architecture (random weights, loaded
 from a Hugging Face directory like a real one), GAE (gamma 1, lambda 0.95), one epoch, one
 micro-batch. Metric: seconds per full iteration, median over the timed iterations after one
-warm-up (compile) iteration, with the per-phase split the trainer reports.
+warm-up (compile) iteration, with the per-phase split the trainer reports, the process's
+median CPU seconds per iteration and the highest 1-minute load average seen (other jobs share
+this machine's cores: trust wall times taken at a load below ~2.5).
 """
 
 from __future__ import annotations
@@ -113,10 +115,19 @@ def run(workload: str, model: str, steps: int, tmp: str) -> dict[str, float]:
     start = time.perf_counter()
     trainer.step()  # warm-up: compiles every phase
     compile_s = time.perf_counter() - start
-    rows = [trainer.step() for _ in range(steps)]
+    rows, cpu_s = [], []
+    load_start = os.getloadavg()[0]
+    for _ in range(steps):
+        cpu = time.process_time()
+        rows.append(trainer.step())
+        cpu_s.append(time.process_time() - cpu)
     out = {
         "compile_s": compile_s,
         "step_s": float(np.median([r["time/iteration_s"] for r in rows])),
+        # CPU seconds of this process (all threads): steadier than wall time when other jobs
+        # share the cores, and equal to it when XLA runs the step on one thread.
+        "cpu_s": float(np.median(cpu_s)),
+        "load": max(load_start, os.getloadavg()[0]),
     }
     for phase in PHASES:
         out[phase] = float(np.median([r[f"time/{phase}_s"] for r in rows]))
@@ -142,7 +153,16 @@ def main() -> None:
         f"# {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, {jax.device_count()} "
         f"{jax.default_backend()} device(s), {os.cpu_count()} cores, {cpu}"
     )
-    header = ("workload", "model", "s/step", *PHASES, "gen tok/s", "compile s")
+    header = (
+        "workload",
+        "model",
+        "s/step",
+        *PHASES,
+        "gen tok/s",
+        "compile s",
+        "cpu s/step",
+        "load",
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,6 +176,8 @@ def main() -> None:
                     *(f"{r[p]:.3f}" for p in PHASES),
                     f"{r['generate_tok_s']:.0f}",
                     f"{r['compile_s']:.1f}",
+                    f"{r['cpu_s']:.3f}",
+                    f"{r['load']:.1f}",
                 ]
                 print("| " + " | ".join(cells) + " |", flush=True)
 

@@ -273,6 +273,31 @@ def token_logprobs(
     return jnp.moveaxis(chunks, 0, -2).reshape(targets.shape)
 
 
+def token_logprobs_and_entropy(
+    logits: Float[Array, "*B T V"], targets: Int[Array, "*B T"]
+) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
+    """``(token_logprobs(logits, targets), entropy_from_logits(logits))`` from one logsumexp.
+
+    The same values (to float rounding) as the two functions, in fewer passes over the
+    ``[.., T, V]`` logits: the policy loss needs both, and on CPU the passes over the logits
+    cost as much as the LM head's backward matmuls.
+
+    Args:
+        logits: unnormalised scores; position ``t`` must already predict ``targets[t]``.
+        targets: token ids (clipped into ``[0, V)``, see :func:`token_logprobs`).
+
+    Returns:
+        Float32 ``(log-probabilities of targets, entropy in nats)``, each shaped like ``targets``.
+    """
+    logits = as_float(logits)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1, mode="clip")
+    finite = jnp.isfinite(logits)
+    logp = jnp.where(finite, logits - lse, 0.0)  # avoids 0 * -inf (NaN) for -inf logits
+    p = jnp.where(finite, jnp.exp(logp), 0.0)
+    return (picked - lse)[..., 0], -jnp.sum(p * logp, axis=-1)
+
+
 def entropy_from_logits(logits: Float[Array, "*B T V"]) -> Float[Array, "*B T"]:
     """Entropy of ``softmax(logits)`` per position: ``H = -sum_v p_v log p_v``.
 

@@ -102,14 +102,24 @@ def apply_rope(
 def _xla_attention(q, k, v, mask, scale):
     batch, q_len, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
-    q = q.reshape(batch, q_len, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, H]
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    logits = logits * scale
+    groups = num_heads // num_kv
+    # Heads-major operands, each kv head's G query heads stacked into one [G*T, H] matrix:
+    # one plain batched matmul per (B, K) for q·k and for probs·v. Same math as the einsum
+    # "BTKGH,BSKH->BKGTS", but XLA:CPU runs this layout's forward ~30% and backward ~20%
+    # faster (bench-S shapes; the 5-D einsum's operands and results are re-laid out around
+    # each matmul).
+    q = q.reshape(batch, q_len, num_kv, groups, head_dim).transpose(0, 2, 3, 1, 4)
+    q = q.reshape(batch, num_kv, groups * q_len, head_dim)  # [B, K, G*T, H]
+    k = k.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    v = v.transpose(0, 2, 1, 3)
+    logits = jnp.einsum("BKMH,BKSH->BKMS", q, k, preferred_element_type=jnp.float32)
+    logits = logits.reshape(batch, num_kv, groups, q_len, -1) * scale  # [B, K, G, T, S]
     # A finite floor (not -inf) keeps fully masked rows (padding queries) finite.
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(batch, q_len, num_heads, head_dim)
+    probs = probs.reshape(batch, num_kv, groups * q_len, -1)
+    out = jnp.einsum("BKMS,BKSH->BKMH", probs, v).reshape(batch, num_kv, groups, q_len, head_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim)
 
 
 def _cudnn_usable(q: jax.Array) -> bool:

@@ -68,6 +68,8 @@ def forward(
     tokens: Int[Array, "B T"],
     mask: Bool[Array, "B T"],
     positions: Int[Array, "B T"] | None = None,
+    *,
+    head_from: int = 0,
 ) -> Float[Array, "B T ..."]:
     """Full-sequence forward with per-row padding.
 
@@ -78,14 +80,17 @@ def forward(
       mask: [B, T] True at real tokens. Outputs at padding positions are finite but
         meaningless.
       positions: [B, T] position ids; default counts real tokens from 0 in each row.
+      head_from: outputs for positions ``head_from:`` only (the whole sequence still runs
+        through the layers); skips the head's work where only the tail is read.
 
     Returns:
-      [B, T, V] float32 logits for an LM, [B, T] float32 values for a scalar head.
+      [B, T, V] float32 logits for an LM, [B, T] float32 values for a scalar head (``T -
+      head_from`` positions).
     """
     if positions is None:
         positions = positions_from_mask(mask)
     attn_mask = causal_mask(mask, tokens.shape[1], 0, module.cfg.sliding_window)
-    out, _ = module.apply({"params": params}, tokens, positions, attn_mask)
+    out, _ = module.apply({"params": params}, tokens, positions, attn_mask, head_from=head_from)
     return out
 
 

@@ -4,12 +4,17 @@ Rollout arrays share one layout, ``[N, T]`` with ``N`` rollout rows and ``T = P 
 left-padded prompt, then the right-padded response). Per-token quantities are *aligned to the
 token they score*: ``x[:, t]`` belongs to token ``t`` (its log-prob given tokens ``< t``, or the
 value of the state that produced it), so a response token's entries sit at its own index and
-``response_mask`` selects them. Column 0 is never a response token and holds 0.
+``response_mask`` selects them. Column 0 is never a response token and holds 0; log-probs
+are computed for the response columns only (``t >= P``) and hold 0 in the prompt's.
 
 The update runs ``epochs x num_minibatches`` optimizer steps of every learner (policy, and the
 critic for PPO) as two nested ``lax.scan``s in one jitted function (PureJaxRL's
 ``_update_epoch`` / ``_update_minbatch``); gradient accumulation over micro-batches happens
 inside each step (``jaxrlhf.train.steps``).
+
+When the update is a single optimizer step on a single micro-batch, its forward runs at the
+params that sampled the rollout, so its log-probs *are* the old log-probs: scoring then skips
+the separate old-policy forward (see :func:`reuses_policy_forward`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf import losses
+from jaxrlhf.losses.common import token_logprobs_and_entropy
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.sharding.rules import Rules
 from jaxrlhf.train import steps
@@ -34,6 +40,8 @@ from jaxrlhf.train.state import TrainState
 Batch = steps.Batch
 Metrics = steps.Metrics
 
+LOGPROBS_KEY = "per_token/logprobs"  # a policy-loss output that is not a scalar metric
+
 
 def _align(x: Float[Array, "N T1"]) -> Float[Array, "N T"]:
     """Per-position outputs that predict the *next* token, moved onto that token."""
@@ -41,13 +49,34 @@ def _align(x: Float[Array, "N T1"]) -> Float[Array, "N T"]:
 
 
 def aligned_logprobs(
-    module: Any, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+    module: Any,
+    params: Any,
+    tokens: Int[Array, "N T"],
+    mask: Bool[Array, "N T"],
+    start: int = 1,
 ) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
     """``(logprobs, entropy)``: log pi(token_t | tokens_<t) and the entropy of that
-    distribution, at index t (0 at t = 0). float32."""
-    logits = model_lib.forward(module, params, tokens, mask)[:, :-1]
-    logp = losses.token_logprobs(logits, tokens[:, 1:])
-    return _align(logp), _align(losses.entropy_from_logits(logits))
+    distribution, at index t for ``t >= start`` (0 before). float32.
+
+    ``start = P`` (the prompt length) scores the response alone, all that the RL losses read:
+    the LM head and the log-softmax then run on R + 1 positions instead of P + R.
+    """
+    # Position t - 1 predicts token t, so the head runs on positions start - 1 .. T - 1, each
+    # scored against the token after it (the last against a dummy, dropped below); slicing
+    # the logits instead would copy the whole [N, T', V] array.
+    logits = model_lib.forward(module, params, tokens, mask, head_from=start - 1)
+    targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+    logp, entropy = token_logprobs_and_entropy(logits, targets)
+
+    def align(x: Float[Array, "N R1"]) -> Float[Array, "N T"]:
+        return jnp.pad(x[:, :-1], ((0, 0), (start, 0)))
+
+    return align(logp), align(entropy)
+
+
+def response_start(tokens: Int[Array, "N T"], max_new_tokens: int) -> int:
+    """P, the index of the first response slot (the rollout layout is ``[prompt P | R]``)."""
+    return max(1, tokens.shape[1] - max_new_tokens)
 
 
 def aligned_values(
@@ -73,6 +102,21 @@ def _norm_constant(cfg: PolicyLossConfig, batch: Batch, max_new_tokens: int) -> 
     return batch["tokens"].shape[0] * max_new_tokens
 
 
+def reuses_policy_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
+    """Whether the update's forward can stand in for the separate old-log-prob forward.
+
+    True with one epoch of one minibatch in one micro-batch and the KL as a loss term: the
+    update's only forward then runs at the params that sampled the rollout, so its log-probs
+    equal the old log-probs, and the loss uses ``stop_gradient(logprobs)`` for them (the ratio
+    is exactly 1 by construction; verl skips the recompute in the same case). Not with
+    ``kl_mode: reward``, whose per-token rewards (hence GAE or the group advantages) need the
+    old log-probs before the update, nor with several updates per rollout. Not with gradient
+    accumulation either: its per-micro-batch means cannot carry the per-token log-probs (kept
+    for inspection) or the exact KL metrics out of the update.
+    """
+    return cfg.epochs == 1 and cfg.num_minibatches == 1 and num_micro == 1 and cfg.kl_mode == "loss"
+
+
 def policy_loss(
     cfg: PolicyLossConfig,
     max_new_tokens: int,
@@ -80,13 +124,23 @@ def policy_loss(
     params: Any,
     batch: Batch,
 ) -> tuple[jax.Array, Metrics]:
-    """Clipped surrogate (+ KL loss term, - entropy bonus) on one micro-batch."""
-    logp, entropy = aligned_logprobs(module, params, batch["tokens"], batch["mask"])
+    """Clipped surrogate (+ KL loss term, - entropy bonus) on one micro-batch.
+
+    Without ``batch["old_logprobs"]`` (:func:`reuses_policy_forward`) the old log-probs are
+    this forward's, under ``stop_gradient``; the metrics then also carry the rollout's KL
+    (``kl/seq_mean``, ``kl/token_mean``, which scoring reports otherwise) and the per-token
+    log-probs under :data:`LOGPROBS_KEY`.
+    """
+    tokens = batch["tokens"]
+    start = response_start(tokens, max_new_tokens)
+    logp, entropy = aligned_logprobs(module, params, tokens, batch["mask"], start)
     resp = batch["response_mask"]
     norm = _norm_constant(cfg, batch, max_new_tokens)
+    reused = "old_logprobs" not in batch
+    old = jax.lax.stop_gradient(logp) if reused else batch["old_logprobs"]
     loss, m = losses.ppo_policy_loss(
         logp,
-        batch["old_logprobs"],
+        old,
         batch["advantages"],
         resp,
         clip_low=cfg.clip_low,
@@ -103,6 +157,10 @@ def policy_loss(
         "policy/ratio_max": m["ratio_max"],
         "policy/entropy": losses.masked_mean(entropy, resp),
     }
+    if reused:
+        kl = losses.kl_penalty(old, batch["ref_logprobs"], resp, estimator=cfg.kl_estimator)
+        metrics.update(_kl_metrics(kl, resp))
+        metrics[LOGPROBS_KEY] = old
     if cfg.kl_mode == "loss":
         kl, _ = losses.kl_loss(
             logp,
@@ -181,9 +239,27 @@ def value_objective(clip_range: float | None, aggregation: str) -> steps.Objecti
 # ---- advantages ---------------------------------------------------------------------------
 
 
+def _rollout_kl(
+    old_logprobs: Float[Array, "N T"] | None,
+    ref_logprobs: Float[Array, "N T"],
+    response_mask: Bool[Array, "N T"],
+    loss_cfg: PolicyLossConfig,
+) -> tuple[Float[Array, "N T"], Metrics]:
+    """Per-token KL penalty of the rollout and its metrics; zeros and no metrics when the old
+    log-probs come from the update instead (only allowed when the KL is not in the reward)."""
+    if old_logprobs is None:
+        if loss_cfg.kl_mode == "reward":
+            raise ValueError("kl_mode 'reward' needs the old log-probs before the update")
+        return jnp.zeros_like(ref_logprobs), {}
+    kl = losses.kl_penalty(
+        old_logprobs, ref_logprobs, response_mask, estimator=loss_cfg.kl_estimator
+    )
+    return kl, _kl_metrics(kl, response_mask)
+
+
 def ppo_advantages(
     scores: Float[Array, " N"],
-    old_logprobs: Float[Array, "N T"],
+    old_logprobs: Float[Array, "N T"] | None,
     ref_logprobs: Float[Array, "N T"],
     values: Float[Array, "N T"],
     response_mask: Bool[Array, "N T"],
@@ -198,10 +274,10 @@ def ppo_advantages(
     ``r_t = -beta * kl_t`` on every response token, plus the score on the last one.
 
     Returns ``(advantages, returns, metrics)``; ``metrics["kl/seq_mean"]`` is the mean over
-    rows of the summed per-token KL (what the adaptive controller tracks)."""
-    kl = losses.kl_penalty(
-        old_logprobs, ref_logprobs, response_mask, estimator=loss_cfg.kl_estimator
-    )
+    rows of the summed per-token KL (what the adaptive controller tracks). ``old_logprobs``
+    may be None with ``kl_mode: loss`` (:func:`reuses_policy_forward`); the KL metrics then
+    come from the update."""
+    kl, metrics = _rollout_kl(old_logprobs, ref_logprobs, response_mask, loss_cfg)
     beta = kl_coef if loss_cfg.kl_mode == "reward" else 0.0
     rewards = losses.token_rewards(scores, kl, response_mask, kl_coef=beta)
     advantages, returns = losses.gae_advantages(
@@ -209,12 +285,12 @@ def ppo_advantages(
     )
     if whiten:
         advantages = losses.masked_whiten(advantages, response_mask)
-    return advantages, returns, _kl_metrics(kl, response_mask)
+    return advantages, returns, metrics
 
 
 def grpo_advantages(
     scores: Float[Array, " N"],
-    old_logprobs: Float[Array, "N T"],
+    old_logprobs: Float[Array, "N T"] | None,
     ref_logprobs: Float[Array, "N T"],
     response_mask: Bool[Array, "N T"],
     kl_coef: Float[Array, ""],
@@ -229,15 +305,14 @@ def grpo_advantages(
     other n-1; ``reinforce_pp``: per-token returns of ``r_t`` (score at the last token, minus
     ``beta * kl_t`` when the KL is in the reward), whitened over the whole batch.
     With ``kl_mode: reward`` the group methods subtract the summed KL from each score first.
+    ``old_logprobs`` may be None with ``kl_mode: loss``, as for :func:`ppo_advantages`.
     """
-    kl = losses.kl_penalty(
-        old_logprobs, ref_logprobs, response_mask, estimator=loss_cfg.kl_estimator
-    )
+    kl, metrics = _rollout_kl(old_logprobs, ref_logprobs, response_mask, loss_cfg)
     beta = kl_coef if loss_cfg.kl_mode == "reward" else 0.0
     if advantage == "reinforce_pp":
         rewards = losses.token_rewards(scores, kl, response_mask, kl_coef=beta)
         adv, _ = losses.reinforce_pp_advantages(rewards, response_mask)
-        return adv, _kl_metrics(kl, response_mask)
+        return adv, metrics
     shaped = scores - beta * kl.sum(-1)
     fn = {
         "grpo": losses.grpo_advantages,
@@ -245,9 +320,7 @@ def grpo_advantages(
         "rloo": losses.rloo_advantages,
     }[advantage]
     per_seq = fn(shaped, group_size=group_size)
-    return losses.broadcast_sequence_advantages(per_seq, response_mask), _kl_metrics(
-        kl, response_mask
-    )
+    return losses.broadcast_sequence_advantages(per_seq, response_mask), metrics
 
 
 def _kl_metrics(kl: Float[Array, "N T"], mask: Bool[Array, "N T"]) -> Metrics:
@@ -287,7 +360,7 @@ def rl_update(
     num_minibatches: int,
     num_micro: int,
     mesh: Mesh,
-) -> tuple[tuple[TrainState, ...], Metrics]:
+) -> tuple[tuple[TrainState, ...], Metrics, Batch]:
     """``epochs`` passes of ``num_minibatches`` shuffled minibatch updates of every learner.
 
     Args:
@@ -300,11 +373,19 @@ def rl_update(
       mesh: the mesh.
 
     Returns:
-      New states and metrics: the mean over all minibatches (``skipped``: the number of
-      updates dropped for a non-finite loss or gradient), plus ``first/<key>`` from the
-      first minibatch of the first epoch (its policy ratio is exactly 1: same params, same
-      forward as the one that produced ``old_logprobs``).
+      New states, metrics and per-token outputs. Metrics: the mean over all minibatches
+      (``skipped``: the number of updates dropped for a non-finite loss or gradient), plus
+      ``first/<key>`` from the first minibatch of the first epoch (its policy ratio is exactly
+      1: same params, same forward as the one that produced ``old_logprobs``). Per-token
+      outputs: ``{"old_logprobs": [N, T]}`` when ``rollout`` has no ``old_logprobs`` (the
+      update's forward stood in for them, see :func:`reuses_policy_forward`), else ``{}``.
     """
+    reused = "old_logprobs" not in rollout
+    if reused and not epochs == num_minibatches == num_micro == 1:
+        raise ValueError(
+            "a rollout without old_logprobs needs a single update on a single micro-batch, got "
+            f"{epochs} epoch(s) x {num_minibatches} minibatch(es) x {num_micro} micro-batch(es)"
+        )
     rules = learners[0].rules
 
     def minibatch_step(states, batch):
@@ -340,8 +421,9 @@ def rl_update(
         return jax.lax.scan(minibatch_step, states, minibatches)
 
     states, metrics = jax.lax.scan(epoch, states, jax.random.split(key, epochs))
+    per_token = {"old_logprobs": metrics.pop(LOGPROBS_KEY)[0, 0]} if reused else {}
     out = {k: v.sum() if k.endswith("skipped") else v.mean() for k, v in metrics.items()}
     for k in ("policy/ratio_mean", "policy/ratio_max", "policy/approx_kl", "policy/clip_frac"):
         if k in metrics:
             out[f"first/{k}"] = metrics[k][0, 0]
-    return states, out
+    return states, out, per_token

@@ -254,13 +254,14 @@ class RLTrainer:
             kl_coef=jnp.full((n_rows,), kl_coef),
         )
         states = (self.policy.state,) + (() if self.value is None else (self.value.state,))
-        states, update_metrics = self.fns["update"](states, train_batch, key)
+        # per_token: the old log-probs when the update's forward stood in for them.
+        states, update_metrics, per_token = self.fns["update"](states, train_batch, key)
         self.policy.state = states[0]
         if self.value is not None:
             self.value.state = states[1]
         update_metrics = to_host(update_metrics)
         timings["time/train_s"] = time.perf_counter() - start
-        self.last_scored = scored  # for inspection (tests, notebooks)
+        self.last_scored = {**scored, **per_token}  # for inspection (tests, notebooks)
         metrics = {k: float(v) for k, v in update_metrics.items()}
         scored_m = to_host({k[2:]: v for k, v in scored.items() if k.startswith("m/")})
         metrics.update({k: float(v) for k, v in scored_m.items()})
@@ -286,7 +287,12 @@ class RLTrainer:
         # scoring (one forward per scored model), and the update (policy and critic).
         fpt = _flops_per_token(self.model_cfg)
         seq_tokens = n_rows * total_len
-        scored_models = 2 + (self.value is not None) + (self.rm_params is not None)
+        scored_models = (
+            1  # the reference; the policy too unless the update's forward stands in for it
+            + (not self.fns["reuse_forward"])
+            + (self.value is not None)
+            + (self.rm_params is not None)
+        )
         epochs = self.algo.loss.epochs
         flops = (
             fpt * seq_tokens
@@ -500,13 +506,20 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
         return steps.batch_sharding(mesh, score_rules, ndim)
 
     ref_module = build_sharded(model_cfg, mesh, ref_rules, "lm")
+    # One update on one micro-batch with the KL as a loss term: the update's forward gives
+    # the old log-probs, so scoring skips the policy forward (rl_steps.reuses_policy_forward).
+    reuse_forward = rl_steps.reuses_policy_forward(algo.loss, num_micro)
 
     def score(policy_params, ref_params, value_params, batch, scores, kl_coef):
         tokens, mask, resp = batch["tokens"], batch["mask"], batch["response_mask"]
-        old, _ = rl_steps.aligned_logprobs(policy.module, policy_params, tokens, mask)
-        ref, _ = rl_steps.aligned_logprobs(ref_module, ref_params, tokens, mask)
+        start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
+        ref, _ = rl_steps.aligned_logprobs(ref_module, ref_params, tokens, mask, start)
+        out = {"ref_logprobs": ref}
+        old = None
+        if not reuse_forward:
+            old, _ = rl_steps.aligned_logprobs(policy.module, policy_params, tokens, mask, start)
+            out["old_logprobs"] = old
         s = scores["scores"]
-        out = {"old_logprobs": old, "ref_logprobs": ref}
         if value is not None:
             values = rl_steps.aligned_values(value.module, value_params, tokens, mask)
             adv, ret, m = rl_steps.ppo_advantages(
@@ -541,7 +554,7 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
         out.update({f"m/{k}": v for k, v in m.items()})
         return out
 
-    fns: dict[str, Any] = {"row_sharding": row_sharding}
+    fns: dict[str, Any] = {"row_sharding": row_sharding, "reuse_forward": reuse_forward}
     fns["score"] = jax.jit(score)
     learners = (policy.learner,) + (() if value is None else (value.learner,))
     state_sh = (policy.shardings,) + (() if value is None else (value.shardings,))
@@ -556,7 +569,11 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
     fns["update"] = jax.jit(
         update,
         in_shardings=(state_sh, None, replicated),
-        out_shardings=(state_sh, replicated),
+        out_shardings=(
+            state_sh,
+            replicated,
+            {"old_logprobs": row_sharding(2)} if reuse_forward else {},
+        ),
         donate_argnums=0,
     )
     if rm_cfg is not None:
