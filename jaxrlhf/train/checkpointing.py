@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.train.config import CheckpointConfig
+from jaxrlhf.train.preemption import Preempted
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,31 @@ class RunCheckpointer:
                 f"{path}: cannot restore the run state ({_line(e)}){hint}"
             ) from None
         return out["state"], dict(meta)
+
+    def after_step(
+        self,
+        step: int,
+        last_step: int,
+        snapshot: Callable[[], tuple[Any, dict[str, Any]]],
+        stop_signal: int | None,
+    ) -> None:
+        """What every training loop does after a step: save when the interval asks, and on a
+        stop signal save, wait for the files and raise :class:`Preempted`. The final step is
+        left to the loop (it saves once more after its last evaluation).
+
+        Args:
+          step: steps (RL: iterations) done.
+          last_step: the run's last step.
+          snapshot: builds ``(arrays, meta)``; called only when saving.
+          stop_signal: the agreed stop signal (``StopSignals.requested()``), or None.
+        """
+        if step == last_step:
+            return
+        if stop_signal is not None:
+            self.save(step, *snapshot(), wait=True)
+            raise Preempted(stop_signal, step, self.directory)
+        if self.due(step):
+            self.save(step, *snapshot())
 
     def wait(self) -> None:
         """Blocks until a background save has finished writing."""

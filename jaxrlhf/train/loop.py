@@ -53,7 +53,7 @@ from jaxrlhf.train.metrics import (
     read_history,
 )
 from jaxrlhf.train.optim import make_optimizer
-from jaxrlhf.train.preemption import Preempted, StopSignals, check_skips
+from jaxrlhf.train.preemption import StopSignals, check_skips
 from jaxrlhf.train.state import TrainState, init_state, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -417,9 +417,6 @@ def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -
             row = log.log(step, metrics)
             progress.write(f"eval step {step} | {format_metrics(row, eval_keys)}")
 
-    def save(step: int, *, wait: bool = False) -> None:
-        ckpt.save(step, *_snapshot(trainer, running, count, skip_run), wait=wait)
-
     try:
         with StopSignals() as signals:
             if first == 0:
@@ -449,15 +446,15 @@ def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -
                     skip_run, worst = int(skips), skips
                 if t.eval_every and done % t.eval_every == 0 and done != t.steps:
                     evaluate(done)
-                if ckpt.due(done) and done != t.steps:
-                    save(done)
-                signum = signals.requested()
-                if signum is not None and done != t.steps:
-                    save(done, wait=True)
-                    raise Preempted(signum, done, ckpt.directory)
+                ckpt.after_step(
+                    done,
+                    t.steps,
+                    functools.partial(_snapshot, trainer, running, count, skip_run),
+                    signals.requested(),
+                )
             if first < t.steps:
                 evaluate(t.steps)
-            save(t.steps, wait=True)
+            ckpt.save(t.steps, *_snapshot(trainer, running, count, skip_run), wait=True)
     finally:
         ckpt.close()
         progress.close()

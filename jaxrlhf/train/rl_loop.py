@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from jaxrlhf.train.metrics import (
     plot_history,
     read_history,
 )
-from jaxrlhf.train.preemption import Preempted, StopSignals, check_skips
+from jaxrlhf.train.preemption import StopSignals, check_skips
 from jaxrlhf.train.rl_trainer import RLTrainer, build_rl_trainer
 
 logger = logging.getLogger(__name__)
@@ -160,12 +161,12 @@ def run_rl(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>"
                     progress.update(i + 1, row, SUMMARY_KEYS)
                 else:
                     progress.update(i + 1)
-                if ckpt.due(i + 1) and i + 1 != steps:
-                    ckpt.save(i + 1, *rl_snapshot(trainer, skip_run))
-                signum = signals.requested()
-                if signum is not None and i + 1 != steps:
-                    ckpt.save(i + 1, *rl_snapshot(trainer, skip_run), wait=True)
-                    raise Preempted(signum, i + 1, ckpt.directory)
+                ckpt.after_step(
+                    i + 1,
+                    steps,
+                    functools.partial(rl_snapshot, trainer, skip_run),
+                    signals.requested(),
+                )
             ckpt.save(steps, *rl_snapshot(trainer, skip_run), wait=True)
     finally:
         ckpt.close()
