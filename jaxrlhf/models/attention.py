@@ -99,7 +99,7 @@ def apply_rope(
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _xla_attention(q, k, v, mask, scale):
+def xla_attention(q, k, v, mask, scale):
     batch, q_len, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     groups = num_heads // num_kv
@@ -151,7 +151,7 @@ def dot_product_attention(
     if impl == "auto":
         impl = "cudnn" if _cudnn_usable(q) else "xla"
     if impl == "xla":
-        return _xla_attention(q, k, v, mask, scale)
+        return xla_attention(q, k, v, mask, scale)
     if impl == "cudnn":
         if not _cudnn_usable(q):
             raise ValueError(

@@ -9,6 +9,7 @@ parallel tree from :func:`logical_specs`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models.attention import causal_mask, positions_from_mask
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.shared_prefix import PackedGroups
 from jaxrlhf.models.transformer import HEADS, Constrain, KVCache, no_constraint
 
 Params = Any  # nested dict of arrays: {"decoder": ..., "lm_head" | "score": ...}
@@ -91,6 +93,30 @@ def forward(
         positions = positions_from_mask(mask)
     attn_mask = causal_mask(mask, tokens.shape[1], 0, module.cfg.sliding_window)
     out, _ = module.apply({"params": params}, tokens, positions, attn_mask, head_from=head_from)
+    return out
+
+
+def forward_packed(
+    module: nn.Module,
+    params: Params,
+    packed: PackedGroups,
+    select: Callable[[Float[Array, "G L D"]], Float[Array, "N M D"]],
+) -> Float[Array, "N M ..."]:
+    """Forward of a rollout packed one prompt group per row (models/shared_prefix.py).
+
+    Args:
+      module, params: as for :func:`forward`.
+      packed: from :func:`jaxrlhf.models.shared_prefix.pack_groups`.
+      select: picks, from the ``[G, P + n*R, D]`` final hidden states, the ``[N, M, D]``
+        positions the head runs on (:func:`~jaxrlhf.models.shared_prefix.response_inputs`,
+        :func:`~jaxrlhf.models.shared_prefix.last_token_inputs`).
+
+    Returns:
+      [N, M, V] float32 logits for an LM, [N, M] float32 values for a scalar head.
+    """
+    out, _ = module.apply(
+        {"params": params}, packed.tokens, packed.positions, packed.mask, select=select
+    )
     return out
 
 

@@ -37,6 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrlhf.models import axes
 from jaxrlhf.models.attention import apply_rope, dot_product_attention, rope_inverse_frequencies
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.shared_prefix import SharedPrefixMask, shared_prefix_attention
 
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
 
@@ -192,7 +193,10 @@ class Attention(nn.Module):
             new_cache = (k, v)
             k, v = k.astype(cfg.compute_dtype), v.astype(cfg.compute_dtype)
 
-        out = dot_product_attention(q, k, v, mask, scale=h**-0.5, impl=cfg.attention_impl)
+        if isinstance(mask, SharedPrefixMask):  # packed groups (models/shared_prefix.py)
+            out = shared_prefix_attention(q, k, v, mask, scale=h**-0.5)
+        else:
+            out = dot_product_attention(q, k, v, mask, scale=h**-0.5, impl=cfg.attention_impl)
         o_kernel = _param(
             self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init
         )
@@ -325,17 +329,21 @@ class CausalLM(nn.Module):
     ``head_from`` (a Python int) applies the head to positions ``head_from:`` only, giving
     ``[B, T - head_from, V]``: the RL scorer needs the response's logits alone, and on CPU the
     head and the log-softmax over the vocabulary are a large share of a small model's step.
+    ``select`` (a function of the ``[B, T, D]`` final hidden states) instead picks the
+    positions the head runs on, e.g. :func:`jaxrlhf.models.shared_prefix.response_inputs`.
     """
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
 
     @nn.compact
-    def __call__(self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0):
+    def __call__(
+        self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0, select=None
+    ):
         cfg = self.cfg
         decoder = Decoder(cfg, self.constrain, name="decoder")
         hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
-        hidden = hidden[:, head_from:]
+        hidden = hidden[:, head_from:] if select is None else select(hidden)
         if cfg.tie_embeddings:
             logits = decoder.attend(hidden)
         else:
@@ -355,20 +363,22 @@ class ScalarModel(nn.Module):
     """Decoder with a scalar head (``score``, no bias): per-token values [B, T] in float32.
 
     Used as the critic (value per token) and as the reward model (the value at each row's
-    last real token, see :func:`jaxrlhf.models.heads.last_token_values`). ``head_from`` as
-    for :class:`CausalLM`.
+    last real token, see :func:`jaxrlhf.models.heads.last_token_values`). ``head_from`` and
+    ``select`` as for :class:`CausalLM`.
     """
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
 
     @nn.compact
-    def __call__(self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0):
+    def __call__(
+        self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0, select=None
+    ):
         cfg = self.cfg
         hidden, new_cache = Decoder(cfg, self.constrain, name="decoder")(
             tokens, positions, mask, cache, cache_index
         )
-        hidden = hidden[:, head_from:]
+        hidden = hidden[:, head_from:] if select is None else select(hidden)
         kernel = _param(
             self, "score", (cfg.hidden_size, 1), (axes.EMBED, axes.SCALAR), _dense_init(cfg)
         )

@@ -321,11 +321,18 @@ def plan_rl(pl: Planner, source: str) -> str:
     from jaxrlhf.generation import Sampler, SamplingParams
     from jaxrlhf.train import rl_steps
     from jaxrlhf.train.rl_config import PPOConfig
-    from jaxrlhf.train.rl_trainer import Learned, _algo, _check_sizes, _jit_functions
+    from jaxrlhf.train.rl_trainer import (
+        Learned,
+        _algo,
+        _check_sizes,
+        _jit_functions,
+        shared_group_size,
+    )
 
     cfg, model_cfg, mesh = pl.cfg, pl.model_cfg, pl.mesh
     algo = _algo(cfg)
     num_micro = _check_sizes(cfg, algo, mesh, source)
+    group_size = shared_group_size(cfg, algo, mesh, num_micro, source)
     updates = cfg.train.steps * algo.loss.epochs * algo.loss.num_minibatches
 
     def learned(role: str, head: str, optimizer_cfg, objective) -> tuple[Learned, Any]:
@@ -339,7 +346,10 @@ def plan_rl(pl: Planner, source: str) -> str:
 
     loss = algo.loss
     policy, policy_state = learned(
-        "policy", "lm", cfg.optimizer, rl_steps.policy_objective(loss, algo.rollout.max_new_tokens)
+        "policy",
+        "lm",
+        cfg.optimizer,
+        rl_steps.policy_objective(loss, algo.rollout.max_new_tokens, group_size),
     )
     ref_params = pl.frozen("reference", model_cfg, "lm")
     held = ["policy.params", "policy.opt", "reference.params"]
@@ -348,7 +358,9 @@ def plan_rl(pl: Planner, source: str) -> str:
         critic_opt = cfg.optimizer
         if algo.critic_lr is not None:
             critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
-        value_objective = rl_steps.value_objective(algo.value_clip, loss.aggregation)
+        value_objective = rl_steps.value_objective(
+            algo.value_clip, loss.aggregation, algo.rollout.max_new_tokens, group_size
+        )
         value, value_state = learned("value", "scalar", critic_opt, value_objective)
         held += ["value.params", "value.opt"]
     rm_cfg = rm_params = None
@@ -359,7 +371,9 @@ def plan_rl(pl: Planner, source: str) -> str:
     else:
         pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
     ref_rules = rules_for("reference", "score")
-    fns = _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro)
+    fns = _jit_functions(
+        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, group_size
+    )
 
     # -- generate: the sampler reads a generate-layout copy of the policy parameters ---------
     sampler = Sampler(model_cfg, mesh)

@@ -28,6 +28,10 @@ class RolloutConfig:
       max_new_tokens: response budget.
       temperature, top_k, top_p: sampling (top_k 0 and top_p 1.0 switch those off).
       stop_at_eos: end a response at the tokenizer's EOS token.
+      shared_prefix: with ``num_samples > 1``, score and train each prompt once for its
+        whole group (the prompt, then its n responses, in one packed row; same math, fewer
+        FLOPs: see ``jaxrlhf.models.shared_prefix``). Used when each data shard of every
+        micro-batch holds whole groups; otherwise the run logs why it is off.
     """
 
     prompts_per_step: int = 16
@@ -37,6 +41,7 @@ class RolloutConfig:
     top_k: int = 0
     top_p: float = 1.0
     stop_at_eos: bool = True
+    shared_prefix: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "num_samples", "max_new_tokens")

@@ -15,6 +15,10 @@ inside each step (``jaxrlhf.train.steps``).
 When the update is a single optimizer step on a single micro-batch, its forward runs at the
 params that sampled the rollout, so its log-probs *are* the old log-probs: scoring then skips
 the separate old-policy forward (see :func:`reuses_policy_forward`).
+
+With ``group_size = n > 1`` every forward packs each group of ``n`` consecutive rows (one
+prompt, ``n`` responses) into one row, so the prompt runs through the model once
+(:mod:`jaxrlhf.models.shared_prefix`); outputs come back in the ``[N, T]`` layout above.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrlhf import losses
 from jaxrlhf.losses.common import token_logprobs_and_entropy
 from jaxrlhf.models import model as model_lib
+from jaxrlhf.models import shared_prefix
 from jaxrlhf.sharding.rules import Rules
 from jaxrlhf.train import steps
 from jaxrlhf.train.rl_config import PolicyLossConfig
@@ -54,24 +59,38 @@ def aligned_logprobs(
     tokens: Int[Array, "N T"],
     mask: Bool[Array, "N T"],
     start: int = 1,
+    group_size: int = 1,
 ) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
     """``(logprobs, entropy)``: log pi(token_t | tokens_<t) and the entropy of that
     distribution, at index t for ``t >= start`` (0 before). float32.
 
     ``start = P`` (the prompt length) scores the response alone, all that the RL losses read:
     the LM head and the log-softmax then run on R + 1 positions instead of P + R.
+    ``group_size > 1`` packs groups sharing a prompt (module docstring; needs ``start = P``).
     """
+    if group_size > 1:
+        packed = _pack(module, tokens, mask, start, group_size)
+        select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
+        logits = model_lib.forward_packed(module, params, packed, select)  # [N, R, V]
+        logp, entropy = token_logprobs_and_entropy(logits, tokens[:, start:])
+        return _pad_front(logp, start), _pad_front(entropy, start)
     # Position t - 1 predicts token t, so the head runs on positions start - 1 .. T - 1, each
     # scored against the token after it (the last against a dummy, dropped below); slicing
     # the logits instead would copy the whole [N, T', V] array.
     logits = model_lib.forward(module, params, tokens, mask, head_from=start - 1)
     targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
     logp, entropy = token_logprobs_and_entropy(logits, targets)
+    return _pad_front(logp[:, :-1], start), _pad_front(entropy[:, :-1], start)
 
-    def align(x: Float[Array, "N R1"]) -> Float[Array, "N T"]:
-        return jnp.pad(x[:, :-1], ((0, 0), (start, 0)))
 
-    return align(logp), align(entropy)
+def _pad_front(x: Float[Array, "N R"], start: int) -> Float[Array, "N T"]:
+    return jnp.pad(x, ((0, 0), (start, 0)))
+
+
+def _pack(
+    module: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"], start: int, group_size: int
+) -> shared_prefix.PackedGroups:
+    return shared_prefix.pack_groups(tokens, mask, start, group_size, module.cfg.sliding_window)
 
 
 def response_start(tokens: Int[Array, "N T"], max_new_tokens: int) -> int:
@@ -80,16 +99,40 @@ def response_start(tokens: Int[Array, "N T"], max_new_tokens: int) -> int:
 
 
 def aligned_values(
-    module: Any, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+    module: Any,
+    params: Any,
+    tokens: Int[Array, "N T"],
+    mask: Bool[Array, "N T"],
+    start: int = 1,
+    group_size: int = 1,
 ) -> Float[Array, "N T"]:
-    """V(state before token t) at index t, from a scalar-head model."""
+    """V(state before token t) at index t, from a scalar-head model.
+
+    Every index from 1 with ``group_size = 1``; with packed groups (``group_size > 1``,
+    ``start = P``) the response's indices ``t >= P`` only (0 before), all that GAE and the
+    value loss read.
+    """
+    if group_size > 1:
+        packed = _pack(module, tokens, mask, start, group_size)
+        select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
+        return _pad_front(model_lib.forward_packed(module, params, packed, select), start)
     return _align(model_lib.forward(module, params, tokens, mask)[:, :-1])
 
 
 def sequence_scores(
-    module: Any, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+    module: Any,
+    params: Any,
+    tokens: Int[Array, "N T"],
+    mask: Bool[Array, "N T"],
+    start: int = 1,
+    group_size: int = 1,
 ) -> Float[Array, " N"]:
-    """Reward-model score of each row: the scalar head at its last real token."""
+    """Reward-model score of each row: the scalar head at its last real token (packed
+    groups as for :func:`aligned_values`)."""
+    if group_size > 1:
+        packed = _pack(module, tokens, mask, start, group_size)
+        select = functools.partial(shared_prefix.last_token_inputs, packed=packed)
+        return model_lib.forward_packed(module, params, packed, select)[:, 0]
     return model_lib.last_token_values(model_lib.forward(module, params, tokens, mask), mask)
 
 
@@ -120,6 +163,7 @@ def reuses_policy_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
 def policy_loss(
     cfg: PolicyLossConfig,
     max_new_tokens: int,
+    group_size: int,
     module: Any,
     params: Any,
     batch: Batch,
@@ -129,11 +173,12 @@ def policy_loss(
     Without ``batch["old_logprobs"]`` (:func:`reuses_policy_forward`) the old log-probs are
     this forward's, under ``stop_gradient``; the metrics then also carry the rollout's KL
     (``kl/seq_mean``, ``kl/token_mean``, which scoring reports otherwise) and the per-token
-    log-probs under :data:`LOGPROBS_KEY`.
+    log-probs under :data:`LOGPROBS_KEY`. ``group_size > 1``: packed prompt groups (module
+    docstring).
     """
     tokens = batch["tokens"]
     start = response_start(tokens, max_new_tokens)
-    logp, entropy = aligned_logprobs(module, params, tokens, batch["mask"], start)
+    logp, entropy = aligned_logprobs(module, params, tokens, batch["mask"], start, group_size)
     resp = batch["response_mask"]
     norm = _norm_constant(cfg, batch, max_new_tokens)
     reused = "old_logprobs" not in batch
@@ -179,10 +224,18 @@ def policy_loss(
 
 
 def value_loss(
-    clip_range: float | None, aggregation: str, module: Any, params: Any, batch: Batch
+    clip_range: float | None,
+    aggregation: str,
+    max_new_tokens: int,
+    group_size: int,
+    module: Any,
+    params: Any,
+    batch: Batch,
 ) -> tuple[jax.Array, Metrics]:
     """Squared error of the critic against the GAE returns (optionally value-clipped)."""
-    values = aligned_values(module, params, batch["tokens"], batch["mask"])
+    tokens = batch["tokens"]
+    start = response_start(tokens, max_new_tokens)
+    values = aligned_values(module, params, tokens, batch["mask"], start, group_size)
     if aggregation == "token_sum_norm":  # value regression is a per-token mean in every variant
         aggregation = "token_mean"
     loss, m = losses.ppo_value_loss(
@@ -209,27 +262,31 @@ def _weight(aggregation: str, batch: Batch) -> jax.Array:
     return resp.any(-1).sum()
 
 
-def policy_objective(cfg: PolicyLossConfig, max_new_tokens: int) -> steps.Objective:
+def policy_objective(
+    cfg: PolicyLossConfig, max_new_tokens: int, group_size: int = 1
+) -> steps.Objective:
     return steps.Objective(
         name="policy",
         role="policy",
         head="lm",
         data_kind="prompt",
-        loss_fn=functools.partial(policy_loss, cfg, max_new_tokens),
+        loss_fn=functools.partial(policy_loss, cfg, max_new_tokens, group_size),
         weight_fn=functools.partial(_weight, cfg.aggregation),
         primary="loss/policy",
         summary=("loss/policy",),
     )
 
 
-def value_objective(clip_range: float | None, aggregation: str) -> steps.Objective:
+def value_objective(
+    clip_range: float | None, aggregation: str, max_new_tokens: int, group_size: int = 1
+) -> steps.Objective:
     agg = "token_mean" if aggregation == "token_sum_norm" else aggregation
     return steps.Objective(
         name="value",
         role="value",
         head="scalar",
         data_kind="prompt",
-        loss_fn=functools.partial(value_loss, clip_range, agg),
+        loss_fn=functools.partial(value_loss, clip_range, agg, max_new_tokens, group_size),
         weight_fn=functools.partial(_weight, agg),
         primary="loss/value",
         summary=("loss/value",),
@@ -360,6 +417,7 @@ def rl_update(
     num_minibatches: int,
     num_micro: int,
     mesh: Mesh,
+    group_size: int = 1,
 ) -> tuple[tuple[TrainState, ...], Metrics, Batch]:
     """``epochs`` passes of ``num_minibatches`` shuffled minibatch updates of every learner.
 
@@ -371,6 +429,8 @@ def rl_update(
       epochs, num_minibatches: PPO's inner loop; ``N`` must divide into the minibatches.
       num_micro: gradient-accumulation micro-batches per minibatch.
       mesh: the mesh.
+      group_size: rows per packed prompt group (the learners' objectives must use the same):
+        shuffling permutes whole groups and micro-batches take whole groups.
 
     Returns:
       New states, metrics and per-token outputs. Metrics: the mean over all minibatches
@@ -403,6 +463,7 @@ def rl_update(
                 mesh=mesh,
                 rules=learner.rules,
                 grad_shardings=learner.grad_shardings,
+                group_size=group_size,
             )
             new_states.append(state)
             prefix = "" if learner.objective.role == "policy" else f"{learner.objective.role}/"
@@ -413,9 +474,11 @@ def rl_update(
 
     def epoch(states, epoch_key):
         if num_minibatches > 1:
-            perm = jax.random.permutation(epoch_key, rollout["tokens"].shape[0])
+            rows = rollout["tokens"].shape[0]
+            perm = jax.random.permutation(epoch_key, rows // group_size)  # whole groups
+            perm = (perm[:, None] * group_size + jnp.arange(group_size)).reshape(rows)
             shuffled = jax.tree.map(lambda x: x[perm], rollout)
-            minibatches = steps.split_micro(shuffled, num_minibatches, mesh, rules)
+            minibatches = steps.split_micro(shuffled, num_minibatches, mesh, rules, group_size)
         else:  # one minibatch: no shuffle needed, keep the rollout's row order
             minibatches = jax.tree.map(lambda x: x[None], rollout)
         return jax.lax.scan(minibatch_step, states, minibatches)

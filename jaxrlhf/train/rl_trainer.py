@@ -32,6 +32,7 @@ from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tokenizer import Tokenizer
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.models import model as model_lib
+from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params
 from jaxrlhf.models.hf_config import load_hf_config
@@ -232,6 +233,7 @@ class RLTrainer:
         """Scores ``rollout`` (old/reference log-probs, values, advantages) and runs the
         update; replaces the policy (and critic) state. Returns host metrics."""
         timings = dict(timings or {})
+        self._check_groups(rollout)
         start = time.perf_counter()
         batch = self._put({k: rollout[k] for k in ("tokens", "mask", "response_mask")})
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
@@ -267,6 +269,21 @@ class RLTrainer:
         metrics.update({k: float(v) for k, v in scored_m.items()})
         metrics.update(timings)
         return metrics
+
+    def _check_groups(self, rollout: dict[str, np.ndarray]) -> None:
+        """Packed prompt groups need each group's rows to carry one prompt (the sampler's
+        groups do; a hand-built rollout might not)."""
+        n = self.fns["group_size"]
+        if n == 1:
+            return
+        prompt_len = rollout["tokens"].shape[1] - self.sampling.max_new_tokens
+        same = shared_prefix.prompts_match(rollout["tokens"], rollout["mask"], prompt_len, n)
+        if not same.all():
+            raise ValueError(
+                f"rollout group {int(np.argmin(same))} (rows of {n}) does not share one prompt; "
+                f"{self.cfg.algorithm}.rollout.shared_prefix needs each group's rows to carry "
+                "the same prompt tokens and mask (set it to false otherwise)"
+            )
 
     def _rollout_metrics(self, rollout: dict[str, np.ndarray], timings: dict[str, float]):
         n_rows, total_len = rollout["tokens"].shape
@@ -341,6 +358,35 @@ def _check_sizes(cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, sourc
     return num_micro
 
 
+def shared_group_size(
+    cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, num_micro: int, source: str
+) -> int:
+    """Rows per packed prompt group in scoring and the update (1: unpacked).
+
+    ``rollout.num_samples`` when ``rollout.shared_prefix`` is on and every micro-batch splits
+    into whole groups on each data shard (minibatches and micro-batches take whole groups,
+    see :func:`jaxrlhf.train.rl_steps.rl_update`); otherwise 1, logged when sharing was asked.
+    """
+    n = algo.rollout.num_samples
+    if not algo.rollout.shared_prefix or n == 1:
+        return 1
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    groups_mb, rest = divmod(algo.rollout.rows // algo.loss.num_minibatches, n)
+    if rest or groups_mb % (num_micro * shards):
+        logger.warning(
+            "%s: %s.rollout.shared_prefix is off: %d rows per minibatch do not split into whole "
+            "groups of %d for %d micro-batch(es) x %d data shard(s)",
+            source,
+            cfg.algorithm,
+            algo.rollout.rows // algo.loss.num_minibatches,
+            n,
+            num_micro,
+            shards,
+        )
+        return 1
+    return n
+
+
 def _learned(
     model_cfg: ModelConfig,
     mesh: Mesh,
@@ -374,6 +420,7 @@ def build_rl_trainer(
     model_cfg = validate(cfg, source=source, device_count=None if mesh is None else mesh.size)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     num_micro = _check_sizes(cfg, algo, mesh, source)
+    group_size = shared_group_size(cfg, algo, mesh, num_micro, source)
     tokenizer = load_tokenizer(cfg.tokenizer)
     model_cfg = _model_config(cfg, model_cfg, tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
@@ -407,7 +454,7 @@ def build_rl_trainer(
         policy_params,
         cfg.optimizer,
         updates,
-        rl_steps.policy_objective(algo.loss, algo.rollout.max_new_tokens),
+        rl_steps.policy_objective(algo.loss, algo.rollout.max_new_tokens, group_size),
     )
 
     rm_cfg = rm_params = reward_fn = None
@@ -453,7 +500,9 @@ def build_rl_trainer(
             value_params,
             critic_opt,
             updates,
-            rl_steps.value_objective(algo.value_clip, algo.loss.aggregation),
+            rl_steps.value_objective(
+                algo.value_clip, algo.loss.aggregation, algo.rollout.max_new_tokens, group_size
+            ),
         )
     del value_key
 
@@ -469,7 +518,9 @@ def build_rl_trainer(
         pad_token_id=tokenizer.pad_id,
         return_model_logprobs=True,
     )
-    fns = _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro)
+    fns = _jit_functions(
+        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, group_size
+    )
     if algo.loss.kl_target is not None:
         kl_state = losses.AdaptiveKLState(
             algo.loss.kl_coef, algo.loss.kl_target, algo.loss.kl_horizon
@@ -498,7 +549,9 @@ def build_rl_trainer(
     )
 
 
-def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro):
+def _jit_functions(
+    cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, group_size
+):
     score_rules = rules_for("policy", "score")
     replicated = NamedSharding(mesh, P())
 
@@ -513,15 +566,19 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
     def score(policy_params, ref_params, value_params, batch, scores, kl_coef):
         tokens, mask, resp = batch["tokens"], batch["mask"], batch["response_mask"]
         start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
-        ref, _ = rl_steps.aligned_logprobs(ref_module, ref_params, tokens, mask, start)
+        ref, _ = rl_steps.aligned_logprobs(ref_module, ref_params, tokens, mask, start, group_size)
         out = {"ref_logprobs": ref}
         old = None
         if not reuse_forward:
-            old, _ = rl_steps.aligned_logprobs(policy.module, policy_params, tokens, mask, start)
+            old, _ = rl_steps.aligned_logprobs(
+                policy.module, policy_params, tokens, mask, start, group_size
+            )
             out["old_logprobs"] = old
         s = scores["scores"]
         if value is not None:
-            values = rl_steps.aligned_values(value.module, value_params, tokens, mask)
+            values = rl_steps.aligned_values(
+                value.module, value_params, tokens, mask, start, group_size
+            )
             adv, ret, m = rl_steps.ppo_advantages(
                 s,
                 old,
@@ -554,7 +611,11 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
         out.update({f"m/{k}": v for k, v in m.items()})
         return out
 
-    fns: dict[str, Any] = {"row_sharding": row_sharding, "reuse_forward": reuse_forward}
+    fns: dict[str, Any] = {
+        "row_sharding": row_sharding,
+        "reuse_forward": reuse_forward,
+        "group_size": group_size,
+    }
     fns["score"] = jax.jit(score)
     learners = (policy.learner,) + (() if value is None else (value.learner,))
     state_sh = (policy.shardings,) + (() if value is None else (value.shardings,))
@@ -565,6 +626,7 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
         num_minibatches=algo.loss.num_minibatches,
         num_micro=num_micro,
         mesh=mesh,
+        group_size=group_size,
     )
     fns["update"] = jax.jit(
         update,
@@ -578,7 +640,13 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
     )
     if rm_cfg is not None:
         rm_module = build_sharded(rm_cfg, mesh, rules_for("reward", "score"), "scalar")
-        fns["reward"] = jax.jit(
-            lambda p, b: rl_steps.sequence_scores(rm_module, p, b["tokens"], b["mask"])
-        )
+
+        def reward(rm_params, batch):
+            tokens = batch["tokens"]
+            start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
+            return rl_steps.sequence_scores(
+                rm_module, rm_params, tokens, batch["mask"], start, group_size
+            )
+
+        fns["reward"] = jax.jit(reward)
     return fns

@@ -81,12 +81,19 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return activation_sharding(mesh, rules, (axes.BATCH,) + (None,) * (ndim - 1))
 
 
-def split_micro(batch: Batch, num_micro: int, mesh: Mesh, rules: Rules) -> Batch:
-    """``[B, ...] -> [num_micro, B / num_micro, ...]``, strided: row r -> micro r % n."""
+def split_micro(
+    batch: Batch, num_micro: int, mesh: Mesh, rules: Rules, group_size: int = 1
+) -> Batch:
+    """``[B, ...] -> [num_micro, B / num_micro, ...]``, strided: row r -> micro r % n.
+
+    With ``group_size > 1``, strided by groups of that many consecutive rows (group g ->
+    micro g % n), which stay whole and in order (packed prompt groups, rl_steps).
+    """
 
     def split(x: jax.Array) -> jax.Array:
         b = x.shape[0]
-        x = x.reshape(b // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+        x = x.reshape(b // (num_micro * group_size), num_micro, group_size, *x.shape[1:])
+        x = x.swapaxes(0, 1).reshape(num_micro, b // num_micro, *x.shape[3:])
         names = (None, axes.BATCH) + (None,) * (x.ndim - 2)
         return jax.lax.with_sharding_constraint(x, activation_sharding(mesh, rules, names))
 
@@ -103,16 +110,18 @@ def accumulate_gradients(
     mesh: Mesh,
     rules: Rules,
     grad_shardings: Any,
+    group_size: int = 1,
 ) -> tuple[Any, Metrics]:
     """Weighted-mean gradients and metrics over ``num_micro`` micro-batches of ``batch``.
 
-    Gradients are accumulated in float32 and kept in the params' shardings.
+    Gradients are accumulated in float32 and kept in the params' shardings. Micro-batches
+    take whole groups of ``group_size`` rows (:func:`split_micro`).
     """
     grad_fn = jax.value_and_grad(functools.partial(objective.loss_fn, module), has_aux=True)
     if num_micro == 1:
         (_, metrics), grads = grad_fn(params, batch)
         return grads, metrics
-    micro = split_micro(batch, num_micro, mesh, rules)
+    micro = split_micro(batch, num_micro, mesh, rules, group_size)
     weights = jax.vmap(objective.weight_fn)(micro).astype(jnp.float32)  # [n]
     weights = weights / jnp.maximum(weights.sum(), 1.0)
 
@@ -148,6 +157,7 @@ def train_step(
     mesh: Mesh,
     rules: Rules,
     grad_shardings: Any,
+    group_size: int = 1,
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update on ``batch``: ``(state, batch, key) -> (state, metrics)``.
 
@@ -156,6 +166,7 @@ def train_step(
     Metrics add ``grad_norm`` (before clipping), ``lr`` (of this update) and ``skipped``
     (1.0 when the update was dropped because a ``loss/*`` metric, the gradient or the
     optimizer's update was not finite: the returned state then equals ``state``).
+    ``group_size``: micro-batches take whole groups of that many rows (:func:`split_micro`).
     """
     del key
     grads, metrics = accumulate_gradients(
@@ -167,6 +178,7 @@ def train_step(
         mesh=mesh,
         rules=rules,
         grad_shardings=grad_shardings,
+        group_size=group_size,
     )
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)

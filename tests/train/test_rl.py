@@ -317,3 +317,73 @@ def test_grpo_dynamic_sampling_keeps_informative_groups(tmp_path):
         assert informative.all()
     metrics = trainer.step()
     assert "dynamic/informative_frac" in metrics
+
+
+def test_shared_prefix_iteration_equals_unpacked(tmp_path):
+    """PPO with groups of 4 and a critic, KL in the reward (so old log-probs are scored), two
+    epochs in two micro-batches: packed prompt groups vs the plain layout on the same rollout.
+    Same math in another summation order: 1e-5 on scored arrays and on params after two
+    Adam steps of lr 0.05 (eps = 1 keeps the steps smooth in the gradient)."""
+    out = {}
+    rollout = None
+    for shared in (True, False):
+        cfg, src = _config(
+            tmp_path,
+            "ppo",
+            "ppo.rollout.num_samples=4",
+            "ppo.loss.epochs=2",
+            "train.micro_batch_size=8",
+            "ppo.loss.kl_coef=0.1",
+            f"ppo.rollout.shared_prefix={str(shared).lower()}",
+        )
+        trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+        assert trainer.fns["group_size"] == (4 if shared else 1) and trainer.num_micro == 2
+        if rollout is None:
+            rollout, _ = trainer.rollout(jax.random.key(7))
+        metrics = trainer.learn(rollout, jax.random.key(8))
+        params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
+        out[shared] = (jax.device_get(trainer.last_scored), params, metrics)
+    resp = rollout["response_mask"]
+    for key in ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages"):
+        np.testing.assert_allclose(out[True][0][key][resp], out[False][0][key][resp], atol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+        out[True][1],
+        out[False][1],
+    )
+    # The scoring forward (4 groups) and the update's value-and-grad (2 groups per micro-batch)
+    # are different XLA programs: the first ratio is 1 to float32 rounding, as on 8 devices.
+    assert abs(out[True][2]["first/policy/ratio_max"] - 1.0) < 1e-5
+
+
+def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
+    from jaxrlhf.sharding import rules_for
+    from jaxrlhf.train.steps import split_micro
+
+    mesh = _one_device_mesh()
+    rows = {"x": jnp.arange(8)}
+    got = split_micro(rows, 2, mesh, rules_for("policy", "train"), group_size=2)["x"]
+    np.testing.assert_array_equal(got, [[0, 1, 4, 5], [2, 3, 6, 7]])  # group g -> micro g % 2
+
+    cfg, src = _config(
+        tmp_path, "grpo", "grpo.loss.num_minibatches=2", "grpo.loss.epochs=2", "optimizer.eps=1e-8"
+    )
+    trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
+    assert trainer.fns["group_size"] == 4
+    m = trainer.step()  # shuffled minibatches of 2 whole groups each
+    assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # float32 rounding, as above
+    assert m["policy/ratio_max"] > 1.0 + 1e-3  # later minibatches see updated params
+
+
+def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
+    cfg, src = _config(tmp_path, "grpo")
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    rollout, _ = trainer.rollout(jax.random.key(1))
+    rollout["tokens"][5, -7] += 1  # row 5 (group 1) now has another prompt token
+    with pytest.raises(ValueError, match="rollout group 1 .* does not share one prompt"):
+        trainer.learn(rollout, jax.random.key(2))
+
+    with caplog.at_level("WARNING"):
+        trainer = build_rl_trainer(cfg, source=src)  # 4 groups over 8 fsdp shards
+    assert trainer.fns["group_size"] == 1
+    assert "shared_prefix is off: 16 rows per minibatch do not split" in caplog.text
