@@ -325,6 +325,7 @@ def plan_rl(pl: Planner, source: str) -> str:
         Learned,
         _algo,
         _check_sizes,
+        _gae,
         _jit_functions,
         shared_group_size,
     )
@@ -359,7 +360,7 @@ def plan_rl(pl: Planner, source: str) -> str:
         if algo.critic_lr is not None:
             critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
         value_objective = rl_steps.value_objective(
-            algo.value_clip, loss.aggregation, algo.rollout.max_new_tokens, group_size
+            algo.value_clip, loss.aggregation, algo.rollout.max_new_tokens, group_size, _gae(algo)
         )
         value, value_state = learned("value", "scalar", critic_opt, value_objective)
         held += ["value.params", "value.opt"]

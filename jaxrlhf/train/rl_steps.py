@@ -14,7 +14,9 @@ inside each step (``jaxrlhf.train.steps``).
 
 When the update is a single optimizer step on a single micro-batch, its forward runs at the
 params that sampled the rollout, so its log-probs *are* the old log-probs: scoring then skips
-the separate old-policy forward (see :func:`reuses_policy_forward`).
+the separate old-policy forward (see :func:`reuses_policy_forward`); likewise the critic's
+update computes the values, GAE advantages and returns from its own forward instead of a
+separate scoring forward (see :func:`reuses_value_forward`).
 
 With ``group_size = n > 1`` every forward packs each group of ``n`` consecutive rows (one
 prompt, ``n`` responses) into one row, so the prompt runs through the model once
@@ -45,7 +47,10 @@ from jaxrlhf.train.state import TrainState
 Batch = steps.Batch
 Metrics = steps.Metrics
 
-LOGPROBS_KEY = "per_token/logprobs"  # a policy-loss output that is not a scalar metric
+# Loss outputs that are per-token arrays, not scalar metrics: rl_update hands them to the
+# learners after it and returns them (the name after the prefix).
+PER_TOKEN = "per_token/"
+LOGPROBS_KEY = PER_TOKEN + "old_logprobs"
 
 
 def _align(x: Float[Array, "N T1"]) -> Float[Array, "N T"]:
@@ -160,6 +165,18 @@ def reuses_policy_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
     return cfg.epochs == 1 and cfg.num_minibatches == 1 and num_micro == 1 and cfg.kl_mode == "loss"
 
 
+def reuses_value_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
+    """Whether the critic's update forward can stand in for the separate value forward.
+
+    True with one epoch of one minibatch in one micro-batch (any ``kl_mode``): the critic's
+    only update forward then runs at the params that scored the rollout, so it computes the
+    old values; the value loss runs GAE on their ``stop_gradient`` (the returns are its
+    regression targets) and hands the advantages to the policy, whose update runs after the
+    critic's in the same step. The per-token rewards (score and KL penalty) come from scoring.
+    """
+    return cfg.epochs == 1 and cfg.num_minibatches == 1 and num_micro == 1
+
+
 def policy_loss(
     cfg: PolicyLossConfig,
     max_new_tokens: int,
@@ -223,26 +240,58 @@ def policy_loss(
     return loss, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class GaeConfig:
+    """GAE settings for a critic whose update computes the advantages (static)."""
+
+    gamma: float
+    lam: float
+    whiten: bool
+
+
 def value_loss(
     clip_range: float | None,
     aggregation: str,
     max_new_tokens: int,
     group_size: int,
+    gae: GaeConfig | None,
     module: Any,
     params: Any,
     batch: Batch,
 ) -> tuple[jax.Array, Metrics]:
-    """Squared error of the critic against the GAE returns (optionally value-clipped)."""
-    tokens = batch["tokens"]
+    """Squared error of the critic against the GAE returns (optionally value-clipped).
+
+    Without ``batch["old_values"]`` (:func:`reuses_value_forward`) the old values are this
+    forward's, under ``stop_gradient``, and GAE (``gae``) runs here on ``batch["token_rewards"]``;
+    the metrics then carry the per-token ``old_values``, ``returns`` and ``advantages`` (for
+    the policy's update) and the scalar metrics scoring reports otherwise.
+    """
+    tokens, resp = batch["tokens"], batch["response_mask"]
     start = response_start(tokens, max_new_tokens)
     values = aligned_values(module, params, tokens, batch["mask"], start, group_size)
+    extra: Metrics = {}
+    if "old_values" in batch:
+        old, returns = batch["old_values"], batch["returns"]
+    else:
+        if gae is None:
+            raise ValueError("a batch without old_values needs the GAE settings")
+        old = jax.lax.stop_gradient(values)
+        adv, returns = gae_and_whiten(
+            batch["token_rewards"], old, resp, gamma=gae.gamma, lam=gae.lam, whiten=gae.whiten
+        )
+        extra = {
+            PER_TOKEN + "old_values": old,
+            PER_TOKEN + "returns": returns,
+            PER_TOKEN + "advantages": adv,
+            **value_metrics(adv, returns, old, resp),
+        }
     if aggregation == "token_sum_norm":  # value regression is a per-token mean in every variant
         aggregation = "token_mean"
     loss, m = losses.ppo_value_loss(
         values,
-        batch["old_values"],
-        batch["returns"],
-        batch["response_mask"],
+        old,
+        returns,
+        resp,
         clip_range=clip_range,
         aggregation=aggregation,
     )
@@ -250,6 +299,24 @@ def value_loss(
         "loss/value": loss,
         "value/mean": m["value_mean"],
         "value/error": m["value_error"],
+        **extra,
+    }
+
+
+def value_metrics(
+    adv: Float[Array, "N T"],
+    returns: Float[Array, "N T"],
+    values: Float[Array, "N T"],
+    mask: Bool[Array, "N T"],
+) -> Metrics:
+    """``value/explained_var`` (1 - Var[returns - values] / Var[returns] over ``mask``) and
+    ``advantages/abs_mean``."""
+    explained = 1 - losses.masked_var(returns - values, mask) / jnp.maximum(
+        losses.masked_var(returns, mask), 1e-8
+    )
+    return {
+        "value/explained_var": explained,
+        "advantages/abs_mean": losses.masked_mean(jnp.abs(adv), mask),
     }
 
 
@@ -278,7 +345,11 @@ def policy_objective(
 
 
 def value_objective(
-    clip_range: float | None, aggregation: str, max_new_tokens: int, group_size: int = 1
+    clip_range: float | None,
+    aggregation: str,
+    max_new_tokens: int,
+    group_size: int = 1,
+    gae: GaeConfig | None = None,
 ) -> steps.Objective:
     agg = "token_mean" if aggregation == "token_sum_norm" else aggregation
     return steps.Objective(
@@ -286,7 +357,7 @@ def value_objective(
         role="value",
         head="scalar",
         data_kind="prompt",
-        loss_fn=functools.partial(value_loss, clip_range, agg, max_new_tokens, group_size),
+        loss_fn=functools.partial(value_loss, clip_range, agg, max_new_tokens, group_size, gae),
         weight_fn=functools.partial(_weight, agg),
         primary="loss/value",
         summary=("loss/value",),
@@ -314,6 +385,44 @@ def _rollout_kl(
     return kl, _kl_metrics(kl, response_mask)
 
 
+def ppo_token_rewards(
+    scores: Float[Array, " N"],
+    old_logprobs: Float[Array, "N T"] | None,
+    ref_logprobs: Float[Array, "N T"],
+    response_mask: Bool[Array, "N T"],
+    kl_coef: Float[Array, ""],
+    *,
+    loss_cfg: PolicyLossConfig,
+) -> tuple[Float[Array, "N T"], Metrics]:
+    """Per-token PPO rewards (Ziegler et al. 2019): ``r_t = -beta * kl_t`` on every response
+    token (with ``kl_mode: reward``), plus the score on the last one; and the KL metrics.
+
+    ``old_logprobs`` may be None with ``kl_mode: loss`` (:func:`reuses_policy_forward`); the
+    KL metrics then come from the update."""
+    kl, metrics = _rollout_kl(old_logprobs, ref_logprobs, response_mask, loss_cfg)
+    beta = kl_coef if loss_cfg.kl_mode == "reward" else 0.0
+    return losses.token_rewards(scores, kl, response_mask, kl_coef=beta), metrics
+
+
+def gae_and_whiten(
+    rewards: Float[Array, "N T"],
+    values: Float[Array, "N T"],
+    response_mask: Bool[Array, "N T"],
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool,
+) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
+    """``(advantages, returns)``: GAE, advantages whitened over the response tokens when
+    ``whiten``; the returns are not whitened."""
+    advantages, returns = losses.gae_advantages(
+        rewards, values, response_mask, gamma=gamma, lam=lam
+    )
+    if whiten:
+        advantages = losses.masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
 def ppo_advantages(
     scores: Float[Array, " N"],
     old_logprobs: Float[Array, "N T"] | None,
@@ -327,21 +436,17 @@ def ppo_advantages(
     lam: float,
     whiten: bool,
 ) -> tuple[Float[Array, "N T"], Float[Array, "N T"], Metrics]:
-    """GAE advantages and returns from per-token rewards (Ziegler et al. 2019):
-    ``r_t = -beta * kl_t`` on every response token, plus the score on the last one.
+    """GAE advantages and returns from :func:`ppo_token_rewards`.
 
     Returns ``(advantages, returns, metrics)``; ``metrics["kl/seq_mean"]`` is the mean over
     rows of the summed per-token KL (what the adaptive controller tracks). ``old_logprobs``
-    may be None with ``kl_mode: loss`` (:func:`reuses_policy_forward`); the KL metrics then
-    come from the update."""
-    kl, metrics = _rollout_kl(old_logprobs, ref_logprobs, response_mask, loss_cfg)
-    beta = kl_coef if loss_cfg.kl_mode == "reward" else 0.0
-    rewards = losses.token_rewards(scores, kl, response_mask, kl_coef=beta)
-    advantages, returns = losses.gae_advantages(
-        rewards, values, response_mask, gamma=gamma, lam=lam
+    may be None with ``kl_mode: loss``, as there."""
+    rewards, metrics = ppo_token_rewards(
+        scores, old_logprobs, ref_logprobs, response_mask, kl_coef, loss_cfg=loss_cfg
     )
-    if whiten:
-        advantages = losses.masked_whiten(advantages, response_mask)
+    advantages, returns = gae_and_whiten(
+        rewards, values, response_mask, gamma=gamma, lam=lam, whiten=whiten
+    )
     return advantages, returns, metrics
 
 
@@ -437,22 +542,28 @@ def rl_update(
       (``skipped``: the number of updates dropped for a non-finite loss or gradient), plus
       ``first/<key>`` from the first minibatch of the first epoch (its policy ratio is exactly
       1: same params, same forward as the one that produced ``old_logprobs``). Per-token
-      outputs: ``{"old_logprobs": [N, T]}`` when ``rollout`` has no ``old_logprobs`` (the
-      update's forward stood in for them, see :func:`reuses_policy_forward`), else ``{}``.
+      ``[N, T]`` outputs of the losses: ``old_logprobs`` when ``rollout`` has none (the
+      update's forward stood in for them, :func:`reuses_policy_forward`); ``old_values``,
+      ``returns`` and ``advantages`` when it has no ``advantages``
+      (:func:`reuses_value_forward`); else ``{}``.
     """
-    reused = "old_logprobs" not in rollout
-    if reused and not epochs == num_minibatches == num_micro == 1:
+    missing = [k for k in ("old_logprobs", "advantages") if k not in rollout]
+    if missing and not epochs == num_minibatches == num_micro == 1:
         raise ValueError(
-            "a rollout without old_logprobs needs a single update on a single micro-batch, got "
-            f"{epochs} epoch(s) x {num_minibatches} minibatch(es) x {num_micro} micro-batch(es)"
+            f"a rollout without {' and '.join(missing)} needs a single update on a single "
+            f"micro-batch, got {epochs} epoch(s) x {num_minibatches} minibatch(es) x "
+            f"{num_micro} micro-batch(es)"
         )
     rules = learners[0].rules
+    # The critic first: without scored advantages, its loss computes them for the policy.
+    order = sorted(range(len(learners)), key=lambda i: learners[i].objective.role != "value")
 
     def minibatch_step(states, batch):
-        new_states, metrics = [], {}
-        for state, learner in zip(states, learners, strict=True):
+        new_states, metrics = list(states), {}
+        for i in order:
+            learner = learners[i]
             state, m = steps.train_step(
-                state,
+                states[i],
                 batch,
                 key,
                 objective=learner.objective,
@@ -465,10 +576,17 @@ def rl_update(
                 grad_shardings=learner.grad_shardings,
                 group_size=group_size,
             )
-            new_states.append(state)
+            new_states[i] = state
+            outputs = {k[len(PER_TOKEN) :]: m.pop(k) for k in list(m) if k.startswith(PER_TOKEN)}
+            if learner.objective.role == "value":  # its GAE outputs feed the policy's loss
+                batch = dict(batch, **{k: outputs[k] for k in ("advantages",) if k in outputs})
+            metrics.update({PER_TOKEN + k: v for k, v in outputs.items()})
             prefix = "" if learner.objective.role == "policy" else f"{learner.objective.role}/"
             metrics.update(
-                {(k if k.startswith(("loss/", "value/")) else prefix + k): v for k, v in m.items()}
+                {
+                    (k if k.startswith(("loss/", "value/", "advantages/")) else prefix + k): v
+                    for k, v in m.items()
+                }
             )
         return tuple(new_states), metrics
 
@@ -484,7 +602,9 @@ def rl_update(
         return jax.lax.scan(minibatch_step, states, minibatches)
 
     states, metrics = jax.lax.scan(epoch, states, jax.random.split(key, epochs))
-    per_token = {"old_logprobs": metrics.pop(LOGPROBS_KEY)[0, 0]} if reused else {}
+    per_token = {
+        k[len(PER_TOKEN) :]: metrics.pop(k)[0, 0] for k in list(metrics) if k.startswith(PER_TOKEN)
+    }
     out = {k: v.sum() if k.endswith("skipped") else v.mean() for k, v in metrics.items()}
     for k in ("policy/ratio_mean", "policy/ratio_max", "policy/approx_kl", "policy/clip_frac"):
         if k in metrics:

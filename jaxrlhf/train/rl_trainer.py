@@ -305,9 +305,9 @@ class RLTrainer:
         fpt = _flops_per_token(self.model_cfg)
         seq_tokens = n_rows * total_len
         scored_models = (
-            1  # the reference; the policy too unless the update's forward stands in for it
+            1  # the reference; policy and critic unless their update forwards stand in
             + (not self.fns["reuse_forward"])
-            + (self.value is not None)
+            + (self.value is not None and not self.fns["reuse_value_forward"])
             + (self.rm_params is not None)
         )
         epochs = self.algo.loss.epochs
@@ -385,6 +385,10 @@ def shared_group_size(
         )
         return 1
     return n
+
+
+def _gae(algo: PPOConfig) -> rl_steps.GaeConfig:
+    return rl_steps.GaeConfig(gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages)
 
 
 def _learned(
@@ -501,7 +505,11 @@ def build_rl_trainer(
             critic_opt,
             updates,
             rl_steps.value_objective(
-                algo.value_clip, algo.loss.aggregation, algo.rollout.max_new_tokens, group_size
+                algo.value_clip,
+                algo.loss.aggregation,
+                algo.rollout.max_new_tokens,
+                group_size,
+                _gae(algo),
             ),
         )
     del value_key
@@ -562,6 +570,8 @@ def _jit_functions(
     # One update on one micro-batch with the KL as a loss term: the update's forward gives
     # the old log-probs, so scoring skips the policy forward (rl_steps.reuses_policy_forward).
     reuse_forward = rl_steps.reuses_policy_forward(algo.loss, num_micro)
+    # Likewise the critic's update forward gives the old values, and GAE runs in its loss.
+    reuse_value = value is not None and rl_steps.reuses_value_forward(algo.loss, num_micro)
 
     def score(policy_params, ref_params, value_params, batch, scores, kl_coef):
         tokens, mask, resp = batch["tokens"], batch["mask"], batch["response_mask"]
@@ -575,7 +585,10 @@ def _jit_functions(
             )
             out["old_logprobs"] = old
         s = scores["scores"]
-        if value is not None:
+        if reuse_value:  # the critic's update computes values and GAE from these rewards
+            rewards, m = rl_steps.ppo_token_rewards(s, old, ref, resp, kl_coef, loss_cfg=algo.loss)
+            out["token_rewards"] = rewards
+        elif value is not None:
             values = rl_steps.aligned_values(
                 value.module, value_params, tokens, mask, start, group_size
             )
@@ -592,9 +605,7 @@ def _jit_functions(
                 whiten=algo.whiten_advantages,
             )
             out.update(old_values=values, returns=ret, advantages=adv)
-            m["value/explained_var"] = 1 - losses.masked_var(ret - values, resp) / jnp.maximum(
-                losses.masked_var(ret, resp), 1e-8
-            )
+            m.update(rl_steps.value_metrics(adv, ret, values, resp))
         else:
             adv, m = rl_steps.grpo_advantages(
                 s,
@@ -607,13 +618,14 @@ def _jit_functions(
                 group_size=algo.rollout.num_samples,
             )
             out["advantages"] = adv
-        m["advantages/abs_mean"] = losses.masked_mean(jnp.abs(adv), resp)
+            m["advantages/abs_mean"] = losses.masked_mean(jnp.abs(adv), resp)
         out.update({f"m/{k}": v for k, v in m.items()})
         return out
 
     fns: dict[str, Any] = {
         "row_sharding": row_sharding,
         "reuse_forward": reuse_forward,
+        "reuse_value_forward": reuse_value,
         "group_size": group_size,
     }
     fns["score"] = jax.jit(score)
@@ -634,7 +646,11 @@ def _jit_functions(
         out_shardings=(
             state_sh,
             replicated,
-            {"old_logprobs": row_sharding(2)} if reuse_forward else {},
+            {
+                k: row_sharding(2)
+                for k in ("old_logprobs",) * reuse_forward
+                + ("old_values", "returns", "advantages") * reuse_value
+            },
         ),
         donate_argnums=0,
     )

@@ -387,3 +387,32 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
         trainer = build_rl_trainer(cfg, source=src)  # 4 groups over 8 fsdp shards
     assert trainer.fns["group_size"] == 1
     assert "shared_prefix is off: 16 rows per minibatch do not split" in caplog.text
+
+
+def test_critic_update_forward_stands_in_for_the_value_forward(tmp_path):
+    """One epoch, one minibatch, one micro-batch: the critic's update computes the values,
+    GAE and returns from its own forward (no scoring forward of the critic). Against the same
+    iteration in 2 micro-batches, which scores the values separately: same arrays and params
+    to float32 summation order (1e-5). KL in the reward, so GAE sees per-token KL rewards."""
+    out = {}
+    rollout = None
+    for micro in (None, 2):
+        cfg, src = _config(
+            tmp_path, "ppo", "ppo.loss.kl_coef=0.1", f"train.micro_batch_size={micro or 'null'}"
+        )
+        trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+        assert trainer.fns["reuse_value_forward"] == (micro is None)
+        assert trainer.num_micro == (micro and 2 or 1)
+        if rollout is None:
+            rollout, _ = trainer.rollout(jax.random.key(11))
+        metrics = trainer.learn(rollout, jax.random.key(12))
+        params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
+        out[micro] = (jax.device_get(trainer.last_scored), params, metrics)
+    resp = rollout["response_mask"]
+    for key in ("old_values", "returns", "advantages"):
+        np.testing.assert_allclose(out[None][0][key][resp], out[2][0][key][resp], atol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), out[None][1], out[2][1]
+    )
+    for key in ("value/explained_var", "advantages/abs_mean", "loss/value", "kl/seq_mean"):
+        np.testing.assert_allclose(out[None][2][key], out[2][2][key], atol=1e-5, rtol=1e-5)
