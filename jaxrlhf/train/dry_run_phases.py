@@ -327,13 +327,13 @@ def plan_rl(pl: Planner, source: str) -> str:
         _check_sizes,
         _gae,
         _jit_functions,
-        shared_group_size,
+        shared_group_sizes,
     )
 
     cfg, model_cfg, mesh = pl.cfg, pl.model_cfg, pl.mesh
     algo = _algo(cfg)
     num_micro = _check_sizes(cfg, algo, mesh, source)
-    group_size = shared_group_size(cfg, algo, mesh, num_micro, source)
+    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source)
     updates = cfg.train.steps * algo.loss.epochs * algo.loss.num_minibatches
 
     def learned(role: str, head: str, optimizer_cfg, objective) -> tuple[Learned, Any]:
@@ -350,7 +350,7 @@ def plan_rl(pl: Planner, source: str) -> str:
         "policy",
         "lm",
         cfg.optimizer,
-        rl_steps.policy_objective(loss, algo.rollout.max_new_tokens, group_size),
+        rl_steps.policy_objective(loss, algo.rollout.max_new_tokens, groups.update),
     )
     ref_params = pl.frozen("reference", model_cfg, "lm")
     held = ["policy.params", "policy.opt", "reference.params"]
@@ -360,7 +360,11 @@ def plan_rl(pl: Planner, source: str) -> str:
         if algo.critic_lr is not None:
             critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
         value_objective = rl_steps.value_objective(
-            algo.value_clip, loss.aggregation, algo.rollout.max_new_tokens, group_size, _gae(algo)
+            algo.value_clip,
+            loss.aggregation,
+            algo.rollout.max_new_tokens,
+            groups.update,
+            _gae(algo),
         )
         value, value_state = learned("value", "scalar", critic_opt, value_objective)
         held += ["value.params", "value.opt"]
@@ -373,7 +377,7 @@ def plan_rl(pl: Planner, source: str) -> str:
         pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
     ref_rules = rules_for("reference", "score")
     fns = _jit_functions(
-        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, group_size
+        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups
     )
 
     # -- generate: the sampler reads a generate-layout copy of the policy parameters ---------

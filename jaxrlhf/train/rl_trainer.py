@@ -273,7 +273,7 @@ class RLTrainer:
     def _check_groups(self, rollout: dict[str, np.ndarray]) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
         groups do; a hand-built rollout might not)."""
-        n = self.fns["group_size"]
+        n = self.fns["groups"].score  # the update packs only where scoring does
         if n == 1:
             return
         prompt_len = rollout["tokens"].shape[1] - self.sampling.max_new_tokens
@@ -358,33 +358,53 @@ def _check_sizes(cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, sourc
     return num_micro
 
 
-def shared_group_size(
-    cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, num_micro: int, source: str
-) -> int:
-    """Rows per packed prompt group in scoring and the update (1: unpacked).
+@dataclasses.dataclass(frozen=True)
+class GroupSizes:
+    """Rows per packed prompt group (1: unpacked) in each phase, see ``rollout.shared_prefix``.
 
-    ``rollout.num_samples`` when ``rollout.shared_prefix`` is on and every micro-batch splits
-    into whole groups on each data shard (minibatches and micro-batches take whole groups,
-    see :func:`jaxrlhf.train.rl_steps.rl_update`); otherwise 1, logged when sharing was asked.
+    Attributes:
+      score: in the scoring forwards (reference, old policy, critic, reward model), which run
+        over the whole rollout: packed when every data shard holds whole groups.
+      update: in the update, whose minibatches and micro-batches then take whole groups: packed
+        when each data shard of every micro-batch holds whole groups.
     """
+
+    score: int
+    update: int
+
+
+def shared_group_sizes(
+    cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, num_micro: int, source: str
+) -> GroupSizes:
+    """Where ``rollout.shared_prefix`` packs prompt groups; logs each phase it cannot."""
     n = algo.rollout.num_samples
     if not algo.rollout.shared_prefix or n == 1:
-        return 1
+        return GroupSizes(1, 1)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    groups_mb, rest = divmod(algo.rollout.rows // algo.loss.num_minibatches, n)
-    if rest or groups_mb % (num_micro * shards):
+    rows = algo.rollout.rows
+    score = n if algo.rollout.prompts_per_step % shards == 0 else 1
+    rows_mb = rows // algo.loss.num_minibatches
+    groups_mb, rest = divmod(rows_mb, n)
+    update = n if score > 1 and not rest and groups_mb % (num_micro * shards) == 0 else 1
+    option = f"{source}: {cfg.algorithm}.rollout.shared_prefix"
+    if score == 1:
         logger.warning(
-            "%s: %s.rollout.shared_prefix is off: %d rows per minibatch do not split into whole "
-            "groups of %d for %d micro-batch(es) x %d data shard(s)",
-            source,
-            cfg.algorithm,
-            algo.rollout.rows // algo.loss.num_minibatches,
+            "%s is off: %d prompt groups do not split over %d data shard(s)",
+            option,
+            algo.rollout.prompts_per_step,
+            shards,
+        )
+    elif update == 1:
+        logger.warning(
+            "%s is off in the update (scoring packs): %d rows per minibatch do not split into "
+            "whole groups of %d for %d micro-batch(es) x %d data shard(s)",
+            option,
+            rows_mb,
             n,
             num_micro,
             shards,
         )
-        return 1
-    return n
+    return GroupSizes(score, update)
 
 
 def _gae(algo: PPOConfig) -> rl_steps.GaeConfig:
@@ -424,7 +444,7 @@ def build_rl_trainer(
     model_cfg = validate(cfg, source=source, device_count=None if mesh is None else mesh.size)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     num_micro = _check_sizes(cfg, algo, mesh, source)
-    group_size = shared_group_size(cfg, algo, mesh, num_micro, source)
+    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source)
     tokenizer = load_tokenizer(cfg.tokenizer)
     model_cfg = _model_config(cfg, model_cfg, tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
@@ -458,7 +478,7 @@ def build_rl_trainer(
         policy_params,
         cfg.optimizer,
         updates,
-        rl_steps.policy_objective(algo.loss, algo.rollout.max_new_tokens, group_size),
+        rl_steps.policy_objective(algo.loss, algo.rollout.max_new_tokens, groups.update),
     )
 
     rm_cfg = rm_params = reward_fn = None
@@ -508,7 +528,7 @@ def build_rl_trainer(
                 algo.value_clip,
                 algo.loss.aggregation,
                 algo.rollout.max_new_tokens,
-                group_size,
+                groups.update,
                 _gae(algo),
             ),
         )
@@ -527,7 +547,7 @@ def build_rl_trainer(
         return_model_logprobs=True,
     )
     fns = _jit_functions(
-        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, group_size
+        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups
     )
     if algo.loss.kl_target is not None:
         kl_state = losses.AdaptiveKLState(
@@ -557,9 +577,7 @@ def build_rl_trainer(
     )
 
 
-def _jit_functions(
-    cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, group_size
-):
+def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups):
     score_rules = rules_for("policy", "score")
     replicated = NamedSharding(mesh, P())
 
@@ -576,6 +594,7 @@ def _jit_functions(
     def score(policy_params, ref_params, value_params, batch, scores, kl_coef):
         tokens, mask, resp = batch["tokens"], batch["mask"], batch["response_mask"]
         start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
+        group_size = groups.score
         ref, _ = rl_steps.aligned_logprobs(ref_module, ref_params, tokens, mask, start, group_size)
         out = {"ref_logprobs": ref}
         old = None
@@ -626,7 +645,7 @@ def _jit_functions(
         "row_sharding": row_sharding,
         "reuse_forward": reuse_forward,
         "reuse_value_forward": reuse_value,
-        "group_size": group_size,
+        "groups": groups,
     }
     fns["score"] = jax.jit(score)
     learners = (policy.learner,) + (() if value is None else (value.learner,))
@@ -638,7 +657,7 @@ def _jit_functions(
         num_minibatches=algo.loss.num_minibatches,
         num_micro=num_micro,
         mesh=mesh,
-        group_size=group_size,
+        group_size=groups.update,
     )
     fns["update"] = jax.jit(
         update,
@@ -661,7 +680,7 @@ def _jit_functions(
             tokens = batch["tokens"]
             start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
             return rl_steps.sequence_scores(
-                rm_module, rm_params, tokens, batch["mask"], start, group_size
+                rm_module, rm_params, tokens, batch["mask"], start, groups.score
             )
 
         fns["reward"] = jax.jit(reward)

@@ -21,7 +21,7 @@ from jaxrlhf.config import ConfigError, load_config
 from jaxrlhf.models import model as M
 from jaxrlhf.sharding import MeshConfig, make_mesh
 from jaxrlhf.train.rewards import RewardError
-from jaxrlhf.train.rl_trainer import build_rl_trainer
+from jaxrlhf.train.rl_trainer import GroupSizes, build_rl_trainer
 
 LR, EPS = 0.05, 1.0
 
@@ -337,7 +337,7 @@ def test_shared_prefix_iteration_equals_unpacked(tmp_path):
             f"ppo.rollout.shared_prefix={str(shared).lower()}",
         )
         trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-        assert trainer.fns["group_size"] == (4 if shared else 1) and trainer.num_micro == 2
+        assert trainer.fns["groups"].update == (4 if shared else 1) and trainer.num_micro == 2
         if rollout is None:
             rollout, _ = trainer.rollout(jax.random.key(7))
         metrics = trainer.learn(rollout, jax.random.key(8))
@@ -369,7 +369,7 @@ def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
         tmp_path, "grpo", "grpo.loss.num_minibatches=2", "grpo.loss.epochs=2", "optimizer.eps=1e-8"
     )
     trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
-    assert trainer.fns["group_size"] == 4
+    assert trainer.fns["groups"].update == 4
     m = trainer.step()  # shuffled minibatches of 2 whole groups each
     assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # float32 rounding, as above
     assert m["policy/ratio_max"] > 1.0 + 1e-3  # later minibatches see updated params
@@ -385,8 +385,17 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
 
     with caplog.at_level("WARNING"):
         trainer = build_rl_trainer(cfg, source=src)  # 4 groups over 8 fsdp shards
-    assert trainer.fns["group_size"] == 1
-    assert "shared_prefix is off: 16 rows per minibatch do not split" in caplog.text
+    assert trainer.fns["groups"] == GroupSizes(score=1, update=1)
+    assert "shared_prefix is off: 4 prompt groups do not split over 8 data shard(s)" in caplog.text
+
+    # Micro-batches of 2 rows split groups of 4: scoring packs, the update does not.
+    cfg, src = _config(tmp_path, "grpo", "train.micro_batch_size=2", "grpo.loss.epochs=2")
+    with caplog.at_level("WARNING"):
+        trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    assert trainer.fns["groups"] == GroupSizes(score=4, update=1)
+    assert "is off in the update (scoring packs): 16 rows per minibatch" in caplog.text
+    m = trainer.step()
+    assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # packed scoring, unpacked update
 
 
 def test_critic_update_forward_stands_in_for_the_value_forward(tmp_path):
