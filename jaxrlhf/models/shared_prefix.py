@@ -17,7 +17,8 @@ on ``P + n*R`` instead of ``n*(P + R)`` tokens per group: 62.5% at ``P = R``, ``
 
 Attention in this layout never forms the ``[P + nR] x [P + nR]`` score matrix: the prompt
 attends to itself (``P x P``) and each response to the prompt (``R x P``) and to itself
-(``R x R``), with one softmax over the two key blocks.
+(``R x R``), with one softmax over the two key blocks. It is plain XLA on every backend: a
+model's ``attention_impl: cudnn`` applies to its unpacked forwards and to generation only.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class RolloutConfig:
       shared_prefix: with ``num_samples > 1``, score and train each prompt once for its
         whole group (the prompt, then its n responses, in one packed row; same math, fewer
         FLOPs: see ``jaxrlhf.models.shared_prefix``). Used when each data shard of every
-        micro-batch holds whole groups; otherwise the run logs why it is off.
+        micro-batch holds whole groups; otherwise the run logs why it is off. Packed
+        attention is plain XLA (``model.attention_impl: cudnn`` is not used for it).
     """
 
     prompts_per_step: int = 16

@@ -304,6 +304,13 @@ class RLTrainer:
         # scoring (one forward per scored model), and the update (policy and critic).
         fpt = _flops_per_token(self.model_cfg)
         seq_tokens = n_rows * total_len
+        # Packed prompt groups run (P + nR) of every n(P + R) tokens (rollout.shared_prefix).
+        new = self.sampling.max_new_tokens
+        groups = self.fns["groups"]
+        score_tokens = seq_tokens * shared_prefix.flops_fraction(total_len - new, new, groups.score)
+        update_tokens = seq_tokens * shared_prefix.flops_fraction(
+            total_len - new, new, groups.update
+        )
         scored_models = (
             1  # the reference; policy and critic unless their update forwards stand in
             + (not self.fns["reuse_forward"])
@@ -311,10 +318,11 @@ class RLTrainer:
             + (self.rm_params is not None)
         )
         epochs = self.algo.loss.epochs
+        n = self.sampling.n  # the sampler prefills each prompt once per group
         flops = (
-            fpt * seq_tokens
-            + fpt * seq_tokens * scored_models
-            + 3 * fpt * seq_tokens * epochs * (1 + (self.value is not None))
+            fpt * seq_tokens * shared_prefix.flops_fraction(total_len - new, new, n)
+            + fpt * score_tokens * scored_models
+            + 3 * fpt * update_tokens * epochs * (1 + (self.value is not None))
         )
         m["throughput/model_tflops"] = flops / timings["time/iteration_s"] / 1e12
         peak = device_peak_flops(self.mesh.devices.flat[0])

@@ -21,7 +21,7 @@ from jaxrlhf.config import ConfigError, load_config
 from jaxrlhf.models import model as M
 from jaxrlhf.sharding import MeshConfig, make_mesh
 from jaxrlhf.train.rewards import RewardError
-from jaxrlhf.train.rl_trainer import GroupSizes, build_rl_trainer
+from jaxrlhf.train.rl_trainer import GroupSizes, _flops_per_token, build_rl_trainer
 
 LR, EPS = 0.05, 1.0
 
@@ -87,7 +87,7 @@ def _policy_grads(cfg, params, rollout, old, adv):
 
 
 @pytest.fixture(scope="module")
-def grpo(tmp_path_factory):
+def grpo(fast_compile, tmp_path_factory):
     cfg, src = _config(tmp_path_factory.mktemp("grpo"), "grpo", "grpo.loss.kl_coef=0.1")
     trainer = build_rl_trainer(cfg, source=src)  # 8-device mesh (fsdp = 8)
     params0 = jax.device_get(trainer.policy.state.params)
@@ -136,7 +136,7 @@ def test_sampler_and_trainer_logprobs_agree(grpo):
     np.testing.assert_allclose(rollout["sampler_logprobs"][resp], old[resp], atol=1e-4)
 
 
-def test_ppo_iteration_matches_reference(tmp_path):
+def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     cfg, src = _config(tmp_path, "ppo", "ppo.loss.kl_coef=0.1", "ppo.value_clip=null")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     model_cfg = trainer.model_cfg
@@ -199,7 +199,7 @@ def test_ppo_iteration_matches_reference(tmp_path):
     assert metrics["first/policy/ratio_mean"] == 1.0
 
 
-def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(tmp_path):
+def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(fast_compile, tmp_path):
     cfg, src = _config(
         tmp_path,
         "ppo",
@@ -216,7 +216,7 @@ def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(tmp_path
     assert m["policy/ratio_max"] != 1.0  # later minibatches see updated params
 
 
-def test_sharded_iteration_equals_single_device(tmp_path):
+def test_sharded_iteration_equals_single_device(fast_compile, tmp_path):
     out = {}
     for name, mesh in (
         ("one", _one_device_mesh()),
@@ -304,7 +304,7 @@ def test_overlong_penalty_hand_checked():
     assert not overlong_penalty(np.array([10]), np.array([False]), 10, 0, 1.0).any()
 
 
-def test_grpo_dynamic_sampling_keeps_informative_groups(tmp_path):
+def test_grpo_dynamic_sampling_keeps_informative_groups(fast_compile, tmp_path):
     cfg, src = _config(tmp_path, "grpo", "grpo.dynamic_sampling=true", "grpo.max_refills=2")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     rollout, timings = trainer._dynamic_sampling(jax.random.key(5))
@@ -319,7 +319,7 @@ def test_grpo_dynamic_sampling_keeps_informative_groups(tmp_path):
     assert "dynamic/informative_frac" in metrics
 
 
-def test_shared_prefix_iteration_equals_unpacked(tmp_path):
+def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
     """PPO with groups of 4 and a critic, KL in the reward (so old log-probs are scored), two
     epochs in two micro-batches: packed prompt groups vs the plain layout on the same rollout.
     Same math in another summation order: 1e-5 on scored arrays and on params after two
@@ -356,7 +356,7 @@ def test_shared_prefix_iteration_equals_unpacked(tmp_path):
     assert abs(out[True][2]["first/policy/ratio_max"] - 1.0) < 1e-5
 
 
-def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
+def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
     from jaxrlhf.sharding import rules_for
     from jaxrlhf.train.steps import split_micro
 
@@ -373,9 +373,15 @@ def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
     m = trainer.step()  # shuffled minibatches of 2 whole groups each
     assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # float32 rounding, as above
     assert m["policy/ratio_max"] > 1.0 + 1e-3  # later minibatches see updated params
+    # Model FLOPs count packed tokens: 4 groups of 16 prompt + 4 x 6 response slots = 160 of
+    # the 16 x 22 rollout tokens, in generation (1 forward), scoring (reference and old
+    # policy) and 2 epochs of the policy update (forward + backward = 3 forwards each).
+    fpt = _flops_per_token(trainer.model_cfg)
+    flops = m["throughput/model_tflops"] * 1e12 * m["time/iteration_s"]
+    np.testing.assert_allclose(flops, fpt * 160 * (1 + 2 + 3 * 2), rtol=1e-6)
 
 
-def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
+def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(fast_compile, tmp_path, caplog):
     cfg, src = _config(tmp_path, "grpo")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     rollout, _ = trainer.rollout(jax.random.key(1))
@@ -398,30 +404,40 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
     assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # packed scoring, unpacked update
 
 
-def test_critic_update_forward_stands_in_for_the_value_forward(tmp_path):
+@pytest.mark.parametrize("kl_mode", ["reward", "loss"])
+def test_update_forwards_stand_in_for_the_scoring_forwards(fast_compile, tmp_path, kl_mode):
     """One epoch, one minibatch, one micro-batch: the critic's update computes the values,
-    GAE and returns from its own forward (no scoring forward of the critic). Against the same
-    iteration in 2 micro-batches, which scores the values separately: same arrays and params
-    to float32 summation order (1e-5). KL in the reward, so GAE sees per-token KL rewards."""
+    GAE and returns from its own forward, and with ``kl_mode: loss`` the policy's update
+    forward gives the old log-probs (no scoring forward of either). Against the same
+    iteration in 2 micro-batches, which scores both separately: same arrays, params and
+    metrics to float32 summation order (1e-5). The reference is perturbed so the KL (in the
+    reward or in the loss) is not 0."""
     out = {}
     rollout = None
     for micro in (None, 2):
         cfg, src = _config(
-            tmp_path, "ppo", "ppo.loss.kl_coef=0.1", f"train.micro_batch_size={micro or 'null'}"
+            tmp_path,
+            "ppo",
+            "ppo.loss.kl_coef=0.1",
+            f"ppo.loss.kl_mode={kl_mode}",
+            f"train.micro_batch_size={micro or 'null'}",
         )
         trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
         assert trainer.fns["reuse_value_forward"] == (micro is None)
+        assert trainer.fns["reuse_forward"] == (micro is None and kl_mode == "loss")
         assert trainer.num_micro == (micro and 2 or 1)
+        trainer.ref_params = jax.tree.map(lambda x: x * 1.05, trainer.ref_params)
         if rollout is None:
             rollout, _ = trainer.rollout(jax.random.key(11))
         metrics = trainer.learn(rollout, jax.random.key(12))
         params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
         out[micro] = (jax.device_get(trainer.last_scored), params, metrics)
     resp = rollout["response_mask"]
-    for key in ("old_values", "returns", "advantages"):
+    for key in ("old_logprobs", "old_values", "returns", "advantages"):
         np.testing.assert_allclose(out[None][0][key][resp], out[2][0][key][resp], atol=1e-5)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), out[None][1], out[2][1]
     )
+    assert out[None][2]["kl/seq_mean"] > 1e-3  # the perturbed reference: a real KL
     for key in ("value/explained_var", "advantages/abs_mean", "loss/value", "kl/seq_mean"):
         np.testing.assert_allclose(out[None][2][key], out[2][2][key], atol=1e-5, rtol=1e-5)
