@@ -555,7 +555,8 @@ def rl_update(
             f"{num_micro} micro-batch(es)"
         )
     rules = learners[0].rules
-    # The critic first: without scored advantages, its loss computes them for the policy.
+    # The critic first: without scored advantages, its loss computes them for the policy
+    # (per-token loss outputs the rollout lacks join the batch of the learners after).
     order = sorted(range(len(learners)), key=lambda i: learners[i].objective.role != "value")
 
     def minibatch_step(states, batch):
@@ -578,8 +579,7 @@ def rl_update(
             )
             new_states[i] = state
             outputs = {k[len(PER_TOKEN) :]: m.pop(k) for k in list(m) if k.startswith(PER_TOKEN)}
-            if learner.objective.role == "value":  # its GAE outputs feed the policy's loss
-                batch = dict(batch, **{k: outputs[k] for k in ("advantages",) if k in outputs})
+            batch = {**outputs, **batch}  # what the rollout lacked feeds the learners after
             metrics.update({PER_TOKEN + k: v for k, v in outputs.items()})
             prefix = "" if learner.objective.role == "policy" else f"{learner.objective.role}/"
             metrics.update(
