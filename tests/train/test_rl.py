@@ -319,41 +319,56 @@ def test_grpo_dynamic_sampling_keeps_informative_groups(fast_compile, tmp_path):
     assert "dynamic/informative_frac" in metrics
 
 
+def _ppo_on_one_rollout(tmp_path, variants, rollout_key, learn_key, prepare=None):
+    """One one-device PPO trainer per ``{name: overrides}``; the first samples a rollout and
+    every one learns it once. Returns the rollout and ``{name: (trainer, scored, params,
+    metrics)}`` (``prepare(trainer)`` runs before learning)."""
+    out, rollout = {}, None
+    for name, overrides in variants.items():
+        cfg, src = _config(tmp_path, "ppo", *overrides)
+        trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+        if prepare is not None:
+            prepare(trainer)
+        if rollout is None:
+            rollout, _ = trainer.rollout(rollout_key)
+        metrics = trainer.learn(rollout, learn_key)
+        params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
+        out[name] = (trainer, jax.device_get(trainer.last_scored), params, metrics)
+    return rollout, out
+
+
+def _assert_same_iteration(a, b, rollout, keys):
+    """Scored per-token ``keys`` on response tokens and policy + critic params within 1e-5."""
+    resp = rollout["response_mask"]
+    for key in keys:
+        np.testing.assert_allclose(a[1][key][resp], b[1][key][resp], atol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=0), a[2], b[2])
+
+
 def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
     """PPO with groups of 4 and a critic, KL in the reward (so old log-probs are scored), two
     epochs in two micro-batches: packed prompt groups vs the plain layout on the same rollout.
     Same math in another summation order: 1e-5 on scored arrays and on params after two
     Adam steps of lr 0.05 (eps = 1 keeps the steps smooth in the gradient)."""
-    out = {}
-    rollout = None
-    for shared in (True, False):
-        cfg, src = _config(
-            tmp_path,
-            "ppo",
-            "ppo.rollout.num_samples=4",
-            "ppo.loss.epochs=2",
-            "train.micro_batch_size=8",
-            "ppo.loss.kl_coef=0.1",
-            f"ppo.rollout.shared_prefix={str(shared).lower()}",
-        )
-        trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-        assert trainer.fns["groups"].update == (4 if shared else 1) and trainer.num_micro == 2
-        if rollout is None:
-            rollout, _ = trainer.rollout(jax.random.key(7))
-        metrics = trainer.learn(rollout, jax.random.key(8))
-        params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
-        out[shared] = (jax.device_get(trainer.last_scored), params, metrics)
-    resp = rollout["response_mask"]
-    for key in ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages"):
-        np.testing.assert_allclose(out[True][0][key][resp], out[False][0][key][resp], atol=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
-        out[True][1],
-        out[False][1],
+    common = [
+        "ppo.rollout.num_samples=4",
+        "ppo.loss.epochs=2",
+        "train.micro_batch_size=8",
+        "ppo.loss.kl_coef=0.1",
+    ]
+    rollout, out = _ppo_on_one_rollout(
+        tmp_path,
+        {s: [*common, f"ppo.rollout.shared_prefix={str(s).lower()}"] for s in (True, False)},
+        jax.random.key(7),
+        jax.random.key(8),
     )
+    for shared, (trainer, *_) in out.items():
+        assert trainer.fns["groups"].update == (4 if shared else 1) and trainer.num_micro == 2
+    keys = ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages")
+    _assert_same_iteration(out[True], out[False], rollout, keys)
     # The scoring forward (4 groups) and the update's value-and-grad (2 groups per micro-batch)
     # are different XLA programs: the first ratio is 1 to float32 rounding, as on 8 devices.
-    assert abs(out[True][2]["first/policy/ratio_max"] - 1.0) < 1e-5
+    assert abs(out[True][3]["first/policy/ratio_max"] - 1.0) < 1e-5
 
 
 def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
@@ -412,32 +427,24 @@ def test_update_forwards_stand_in_for_the_scoring_forwards(fast_compile, tmp_pat
     iteration in 2 micro-batches, which scores both separately: same arrays, params and
     metrics to float32 summation order (1e-5). The reference is perturbed so the KL (in the
     reward or in the loss) is not 0."""
-    out = {}
-    rollout = None
-    for micro in (None, 2):
-        cfg, src = _config(
-            tmp_path,
-            "ppo",
-            "ppo.loss.kl_coef=0.1",
-            f"ppo.loss.kl_mode={kl_mode}",
-            f"train.micro_batch_size={micro or 'null'}",
-        )
-        trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    common = ["ppo.loss.kl_coef=0.1", f"ppo.loss.kl_mode={kl_mode}"]
+
+    def perturb_reference(trainer):
+        trainer.ref_params = jax.tree.map(lambda x: x * 1.05, trainer.ref_params)
+
+    rollout, out = _ppo_on_one_rollout(
+        tmp_path,
+        {m: [*common, f"train.micro_batch_size={m or 'null'}"] for m in (None, 2)},
+        jax.random.key(11),
+        jax.random.key(12),
+        prepare=perturb_reference,
+    )
+    for micro, (trainer, *_) in out.items():
         assert trainer.fns["reuse_value_forward"] == (micro is None)
         assert trainer.fns["reuse_forward"] == (micro is None and kl_mode == "loss")
         assert trainer.num_micro == (micro and 2 or 1)
-        trainer.ref_params = jax.tree.map(lambda x: x * 1.05, trainer.ref_params)
-        if rollout is None:
-            rollout, _ = trainer.rollout(jax.random.key(11))
-        metrics = trainer.learn(rollout, jax.random.key(12))
-        params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
-        out[micro] = (jax.device_get(trainer.last_scored), params, metrics)
-    resp = rollout["response_mask"]
-    for key in ("old_logprobs", "old_values", "returns", "advantages"):
-        np.testing.assert_allclose(out[None][0][key][resp], out[2][0][key][resp], atol=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), out[None][1], out[2][1]
-    )
-    assert out[None][2]["kl/seq_mean"] > 1e-3  # the perturbed reference: a real KL
+    keys = ("old_logprobs", "old_values", "returns", "advantages")
+    _assert_same_iteration(out[None], out[2], rollout, keys)
+    assert out[None][3]["kl/seq_mean"] > 1e-3  # the perturbed reference: a real KL
     for key in ("value/explained_var", "advantages/abs_mean", "loss/value", "kl/seq_mean"):
-        np.testing.assert_allclose(out[None][2][key], out[2][2][key], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out[None][3][key], out[2][3][key], atol=1e-5, rtol=1e-5)
