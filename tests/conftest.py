@@ -1,9 +1,27 @@
-"""Test-wide JAX setup: 8 fake CPU devices, fixed before any backend initialises."""
+"""Test-wide JAX setup: 8 fake CPU devices, fixed before any backend initialises, and one
+persistent XLA compilation cache per test session.
 
+Most of the suite's time is XLA:CPU compilation, and many tests (and the training processes
+some of them start) compile the very same programs: a fresh on-disk cache, shared through
+the environment with every subprocess and removed at exit, compiles each program once per
+session. A cached executable is the one the compiler produced for the same program and
+options, so results, including bitwise comparisons across processes, are unchanged.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must run before JAX creates its CPU backend; the device count is fixed at backend init.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="jaxrlhf-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    # Cache every program, however small or quick to compile.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
