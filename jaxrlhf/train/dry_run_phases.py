@@ -327,13 +327,15 @@ def plan_rl(pl: Planner, source: str) -> str:
         _check_sizes,
         _gae,
         _jit_functions,
+        score_micro_batches,
         shared_group_sizes,
     )
 
     cfg, model_cfg, mesh = pl.cfg, pl.model_cfg, pl.mesh
     algo = _algo(cfg)
     num_micro = _check_sizes(cfg, algo, mesh, source)
-    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source)
+    score_micro = score_micro_batches(cfg, algo, mesh, source)
+    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source, score_micro)
     updates = cfg.train.steps * algo.loss.epochs * algo.loss.num_minibatches
 
     def learned(role: str, head: str, optimizer_cfg, objective) -> tuple[Learned, Any]:
@@ -377,7 +379,7 @@ def plan_rl(pl: Planner, source: str) -> str:
         pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
     ref_rules = rules_for("reference", "score")
     fns = _jit_functions(
-        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups
+        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups, score_micro
     )
 
     # -- generate: the sampler reads a generate-layout copy of the policy parameters ---------

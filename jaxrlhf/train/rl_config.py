@@ -33,6 +33,11 @@ class RolloutConfig:
         FLOPs: see ``jaxrlhf.models.shared_prefix``). Used when each data shard of every
         micro-batch holds whole groups; otherwise the run logs why it is off. Packed
         attention is plain XLA (``model.attention_impl: cudnn`` is not used for it).
+      score_micro_batch_size: rows per data shard in each scoring forward (reference, old
+        policy, critic, reward model), run one after another; None scores the whole rollout
+        at once. Bounds scoring's activation memory (the float32 logits of every scored row
+        are the peak for large vocabularies) at no change in results. Must divide the rows
+        each data shard holds; packing needs whole prompt groups in each scoring micro-batch.
     """
 
     prompts_per_step: int = 16
@@ -43,9 +48,12 @@ class RolloutConfig:
     top_p: float = 1.0
     stop_at_eos: bool = True
     shared_prefix: bool = True
+    score_micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "num_samples", "max_new_tokens")
+        if self.score_micro_batch_size is not None:
+            _positive(self, "score_micro_batch_size")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0 for RL sampling, got {self.temperature}")
         if self.top_k < 0:

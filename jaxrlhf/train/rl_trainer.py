@@ -273,7 +273,7 @@ class RLTrainer:
     def _check_groups(self, rollout: dict[str, np.ndarray]) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
         groups do; a hand-built rollout might not)."""
-        n = self.fns["groups"].score  # the update packs only where scoring does
+        n = max(self.fns["groups"].score, self.fns["groups"].update)
         if n == 1:
             return
         prompt_len = rollout["tokens"].shape[1] - self.sampling.max_new_tokens
@@ -366,6 +366,22 @@ def _check_sizes(cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, sourc
     return num_micro
 
 
+def score_micro_batches(
+    cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, source: str
+) -> int:
+    """How many scoring forwards split the rollout (``rollout.score_micro_batch_size``)."""
+    micro = algo.rollout.score_micro_batch_size
+    if micro is None:
+        return 1
+    rows, shards = algo.rollout.rows, mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % (micro * shards):
+        raise ConfigError(
+            f"{source}: {cfg.algorithm}.rollout.score_micro_batch_size: {micro} rows per data "
+            f"shard do not divide the {rows} rollout rows over {shards} data shard(s)"
+        )
+    return rows // (micro * shards)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupSizes:
     """Rows per packed prompt group (1: unpacked) in each phase, see ``rollout.shared_prefix``.
@@ -382,30 +398,48 @@ class GroupSizes:
 
 
 def shared_group_sizes(
-    cfg: RunConfig, algo: PPOConfig | GRPOConfig, mesh: Mesh, num_micro: int, source: str
+    cfg: RunConfig,
+    algo: PPOConfig | GRPOConfig,
+    mesh: Mesh,
+    num_micro: int,
+    source: str,
+    score_micro: int = 1,
 ) -> GroupSizes:
-    """Where ``rollout.shared_prefix`` packs prompt groups; logs each phase it cannot."""
+    """Where ``rollout.shared_prefix`` packs prompt groups; logs each phase it cannot.
+
+    ``num_micro`` and ``score_micro``: micro-batches per minibatch of the update, and scoring
+    forwards per rollout."""
     n = algo.rollout.num_samples
     if not algo.rollout.shared_prefix or n == 1:
         return GroupSizes(1, 1)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = algo.rollout.rows
-    score = n if algo.rollout.prompts_per_step % shards == 0 else 1
-    rows_mb = rows // algo.loss.num_minibatches
+    groups = algo.rollout.prompts_per_step
+    score = n if groups % (score_micro * shards) == 0 else 1
+    rows_mb = algo.rollout.rows // algo.loss.num_minibatches
     groups_mb, rest = divmod(rows_mb, n)
-    update = n if score > 1 and not rest and groups_mb % (num_micro * shards) == 0 else 1
+    update = n if not rest and groups_mb % (num_micro * shards) == 0 else 1
     option = f"{source}: {cfg.algorithm}.rollout.shared_prefix"
-    if score == 1:
+    if score == 1 and update == 1 and score_micro == 1:
         logger.warning(
             "%s is off: %d prompt groups do not split over %d data shard(s)",
             option,
-            algo.rollout.prompts_per_step,
+            groups,
             shards,
         )
-    elif update == 1:
+        return GroupSizes(score, update)
+    if score == 1:
         logger.warning(
-            "%s is off in the update (scoring packs): %d rows per minibatch do not split into "
-            "whole groups of %d for %d micro-batch(es) x %d data shard(s)",
+            "%s is off in scoring: %d prompt groups do not split into %d scoring "
+            "micro-batch(es) x %d data shard(s)",
+            option,
+            groups,
+            score_micro,
+            shards,
+        )
+    if update == 1:
+        logger.warning(
+            "%s is off in the update: %d rows per minibatch do not split into whole groups of "
+            "%d for %d micro-batch(es) x %d data shard(s)",
             option,
             rows_mb,
             n,
@@ -452,7 +486,8 @@ def build_rl_trainer(
     model_cfg = validate(cfg, source=source, device_count=None if mesh is None else mesh.size)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     num_micro = _check_sizes(cfg, algo, mesh, source)
-    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source)
+    score_micro = score_micro_batches(cfg, algo, mesh, source)
+    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source, score_micro)
     tokenizer = load_tokenizer(cfg.tokenizer)
     model_cfg = _model_config(cfg, model_cfg, tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
@@ -555,7 +590,7 @@ def build_rl_trainer(
         return_model_logprobs=True,
     )
     fns = _jit_functions(
-        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups
+        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups, score_micro
     )
     if algo.loss.kl_target is not None:
         kl_state = losses.AdaptiveKLState(
@@ -585,7 +620,9 @@ def build_rl_trainer(
     )
 
 
-def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups):
+def _jit_functions(
+    cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups, score_micro=1
+):
     score_rules = rules_for("policy", "score")
     replicated = NamedSharding(mesh, P())
 
@@ -599,26 +636,43 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
     # Likewise the critic's update forward gives the old values, and GAE runs in its loss.
     reuse_value = value is not None and rl_steps.reuses_value_forward(algo.loss, num_micro)
 
+    def score_micro_batched(forwards, batch):
+        """``forwards`` over ``rollout.score_micro_batch_size`` rows per data shard at a time."""
+        rows = {k: batch[k] for k in ("tokens", "mask")}
+        return steps.map_micro(forwards, rows, score_micro, mesh, score_rules, groups.score)
+
     def score(policy_params, ref_params, value_params, batch, scores, kl_coef):
-        tokens, mask, resp = batch["tokens"], batch["mask"], batch["response_mask"]
-        start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
+        resp = batch["response_mask"]
+        start = rl_steps.response_start(batch["tokens"], algo.rollout.max_new_tokens)
         group_size = groups.score
-        ref, _ = rl_steps.aligned_logprobs(ref_module, ref_params, tokens, mask, start, group_size)
-        out = {"ref_logprobs": ref}
-        old = None
-        if not reuse_forward:
-            old, _ = rl_steps.aligned_logprobs(
-                policy.module, policy_params, tokens, mask, start, group_size
-            )
-            out["old_logprobs"] = old
+
+        def forwards(rows):
+            tokens, mask = rows["tokens"], rows["mask"]
+            out = {
+                "ref_logprobs": rl_steps.aligned_logprobs(
+                    ref_module, ref_params, tokens, mask, start, group_size
+                )[0]
+            }
+            if not reuse_forward:
+                out["old_logprobs"] = rl_steps.aligned_logprobs(
+                    policy.module, policy_params, tokens, mask, start, group_size
+                )[0]
+            if value is not None and not reuse_value:
+                out["old_values"] = rl_steps.aligned_values(
+                    value.module, value_params, tokens, mask, start, group_size
+                )
+            return out
+
+        forward_out = score_micro_batched(forwards, batch)
+        ref = forward_out["ref_logprobs"]
+        old = forward_out.get("old_logprobs")
+        out = {k: v for k, v in forward_out.items() if k != "old_values"}
         s = scores["scores"]
         if reuse_value:  # the critic's update computes values and GAE from these rewards
             rewards, m = rl_steps.ppo_token_rewards(s, old, ref, resp, kl_coef, loss_cfg=algo.loss)
             out["token_rewards"] = rewards
         elif value is not None:
-            values = rl_steps.aligned_values(
-                value.module, value_params, tokens, mask, start, group_size
-            )
+            values = forward_out["old_values"]
             adv, ret, m = rl_steps.ppo_advantages(
                 s,
                 old,
@@ -685,10 +739,12 @@ def _jit_functions(cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules,
         rm_module = build_sharded(rm_cfg, mesh, rules_for("reward", "score"), "scalar")
 
         def reward(rm_params, batch):
-            tokens = batch["tokens"]
-            start = rl_steps.response_start(tokens, algo.rollout.max_new_tokens)
-            return rl_steps.sequence_scores(
-                rm_module, rm_params, tokens, batch["mask"], start, groups.score
+            start = rl_steps.response_start(batch["tokens"], algo.rollout.max_new_tokens)
+            return score_micro_batched(
+                lambda rows: rl_steps.sequence_scores(
+                    rm_module, rm_params, rows["tokens"], rows["mask"], start, groups.score
+                ),
+                batch,
             )
 
         fns["reward"] = jax.jit(reward)

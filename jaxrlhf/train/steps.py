@@ -100,6 +100,31 @@ def split_micro(
     return jax.tree.map(split, batch)
 
 
+def merge_micro(x: jax.Array, group_size: int = 1) -> jax.Array:
+    """Inverse of :func:`split_micro` for one array: ``[n, B / n, ...] -> [B, ...]``."""
+    num_micro, rows = x.shape[:2]
+    x = x.reshape(num_micro, rows // group_size, group_size, *x.shape[2:])
+    return x.swapaxes(0, 1).reshape(num_micro * rows, *x.shape[3:])
+
+
+def map_micro(
+    fn: Callable[[Batch], Any],
+    batch: Batch,
+    num_micro: int,
+    mesh: Mesh,
+    rules: Rules,
+    group_size: int = 1,
+) -> Any:
+    """``fn(batch)`` computed one micro-batch of rows at a time (``lax.map``), for row-wise
+    ``fn`` whose outputs all have a leading row axis: only one micro-batch's activations are
+    live at once. Micro-batches are those of :func:`split_micro` (whole groups of
+    ``group_size`` rows); the outputs come back in the batch's row order."""
+    if num_micro == 1:
+        return fn(batch)
+    out = jax.lax.map(fn, split_micro(batch, num_micro, mesh, rules, group_size))
+    return jax.tree.map(lambda x: merge_micro(x, group_size), out)
+
+
 def accumulate_gradients(
     objective: Objective,
     module: Any,
