@@ -6,9 +6,10 @@ last real token instead of every position.
 
 Decode runs the same parameters through a loop over layers written for one new token per
 row against the head-major cache of ``generation/cache.py``, with the weights re-laid out
-once per call (``decode_weights``). It reuses the model's ``Norm`` and ``Mlp`` modules, its
-embedding, tied head and RoPE, and the parameter names; only the attention block (and the
-q/k/v/o and LM-head matmuls, for the weight layout) is re-expressed, because the model's
+once per call (``decode_weights``: transposed, and q/k/v and gate/up fused). It reuses the
+model's ``Norm`` module (and ``Mlp`` where gate/up are not fused), its embedding, tied head
+and RoPE, and the parameter names; only the attention block (and the matmuls, for the
+weight layout) is re-expressed, because the model's
 attention reads its ``[L, B, S, K, H]`` cache through a layer scan that copies and
 transposes the cache on every step (see the cache module docstring).
 tests/generation/test_decode.py checks decode logits against ``models.model.forward`` for
@@ -26,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation.cache import DecodeCache
@@ -33,7 +35,7 @@ from jaxrlhf.models import axes
 from jaxrlhf.models.attention import causal_mask, positions_from_mask, rope_inverse_frequencies
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.model import init_cache, last_token_index
-from jaxrlhf.models.transformer import Constrain, Decoder, Mlp, Norm
+from jaxrlhf.models.transformer import ACTIVATIONS, Constrain, Decoder, Mlp, Norm
 
 Params = Any
 _MASKED = jnp.finfo(jnp.float32).min  # finite, as in models/attention.py
@@ -107,10 +109,12 @@ def _relayout(tree: Params, to_decode: bool) -> Params:
     return jax.tree_util.tree_map_with_path(move, tree)
 
 
-def decode_weights(params: Params, num_layers: int) -> tuple[list[Params], jax.Array | None]:
+def decode_weights(
+    params: Params, num_layers: int, shards: int | None = 1
+) -> tuple[list[Params], jax.Array | None]:
     """The weights as the decode loop reads them: one tree per layer, kernels transposed.
 
-    Called once per decode call, before the token loop. Two things happen:
+    Called once per decode call, before the token loop. Three things happen:
 
     * The stacked ``[L, ...]`` layer params are split into one tree per layer, so the loop
       reads each layer's weights in place (a layer scan inside the loop would dynamic-slice,
@@ -119,8 +123,16 @@ def decode_weights(params: Params, num_layers: int) -> tuple[list[Params], jax.A
       ``q_kernel``, ``[F, D]`` for ``up_kernel``, ``[V, D]`` for ``lm_head``...). Decode
       multiplies a few rows (M = R) by each kernel, and XLA's CPU matmul for that shape is
       ~1.5x faster with the kernel in this layout (measured on the benchmark machine:
-      bench-M MLP chain at M = 32, 65-72 vs 98-110 GFLOP/s). The loop body transposes back
-      (``model_layout``), and XLA folds those transposes into the matmuls.
+      bench-M MLP chain at M = 32, 65-72 vs 98-110 GFLOP/s).
+    * With ``shards`` set, the q/k/v kernels become one ``qkv_kernel`` and gate/up one
+      ``gate_up_kernel`` (biases alike), so each layer runs two wide matmuls where it ran
+      five narrow ones: at M = 32 that is ~15% of a bench-S decode step (see
+      benchmarks/RESULTS.md). ``shards`` is the number of devices the heads and MLP axes
+      are split over in the generation layout; the kernels are interleaved per shard
+      (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``) so that every device's slice of the fused
+      kernel is its own heads' q, k and v and the split after the matmul needs no
+      communication. ``None`` keeps the kernels apart (a layout where the axes are split
+      unevenly).
 
     Returns:
       ``(layers, lm_head)``: per-layer param trees in decode layout, and the untied LM head
@@ -130,10 +142,77 @@ def decode_weights(params: Params, num_layers: int) -> tuple[list[Params], jax.A
     layers = [
         _relayout(jax.tree.map(lambda x, i=i: x[i], stacked), True) for i in range(num_layers)
     ]
+    if shards is not None:
+        layers = [_fuse(layer, shards) for layer in layers]
     head = params.get("lm_head")
     head = None if head is None else jnp.moveaxis(head, 0, -1)
     # Without the barrier XLA cancels these transposes against the ones in the loop body.
     return jax.lax.optimization_barrier((layers, head))
+
+
+_FUSED = {"attn": ("qkv", ("q", "k", "v")), "mlp": ("gate_up", ("gate", "up"))}
+
+
+def _fuse(layer: Params, shards: int) -> Params:
+    """One decode-layout layer with q/k/v and gate/up kernels (and biases) interleaved per
+    shard into ``qkv_*`` / ``gate_up_*``: kernels ``[shards, rows, D]`` (a ``[N, H, D]``
+    kernel gives each shard ``N*H / shards`` rows), biases ``[shards, rows]``."""
+    layer = dict(layer)
+    for block, (fused, names) in _FUSED.items():
+        p = dict(layer[block])
+        if f"{names[0]}_kernel" not in p:  # ungated MLP: nothing to fuse
+            continue
+        for suffix in ("kernel", "bias"):
+            if f"{names[0]}_{suffix}" not in p:
+                continue
+            parts = [p.pop(f"{name}_{suffix}") for name in names]
+            trail = 1 if suffix == "kernel" else 0  # the contracted D stays last
+            rows = [x.reshape(shards, -1, *x.shape[x.ndim - trail :]) for x in parts]
+            p[f"{fused}_{suffix}"] = jnp.concatenate(rows, axis=1)
+        layer[block] = p
+    return layer
+
+
+def _fused_matmul(
+    cfg: ModelConfig, p: Params, x: Float[Array, "R D"], fused: str, widths: tuple[int, ...]
+) -> list[jax.Array]:
+    """``x`` times a kernel of :func:`_fuse`, split back into one ``[R, width]`` output per
+    original kernel (``widths`` their output sizes, in fusion order)."""
+    kernel = p[f"{fused}_kernel"].astype(cfg.compute_dtype)  # [S, M, D]
+    shards = kernel.shape[0]
+    # One 2-D matmul: the same product as einsum "RD,SMD->RSM", which XLA:CPU ran ~10%
+    # slower over a bench-S decode call.
+    out = jnp.einsum("RD,MD->RM", x, kernel.reshape(-1, kernel.shape[-1]))
+    out = out.reshape(x.shape[0], shards, -1)
+    if f"{fused}_bias" in p:
+        out = out + p[f"{fused}_bias"].astype(cfg.compute_dtype)
+    bounds = np.cumsum([w // shards for w in widths])[:-1].tolist()
+    return [y.reshape(x.shape[0], -1) for y in jnp.split(out, bounds, axis=-1)]
+
+
+def fused_shards(cfg: ModelConfig, shardings: Params | None) -> int | None:
+    """The ``shards`` argument of :func:`decode_weights` for params laid out by ``shardings``
+    (the sampler's param shardings; None = one device): how many pieces the q/k/v and
+    gate/up output axes are split into, or None where they are not split alike."""
+    if shardings is None:
+        return 1
+    layers = shardings["decoder"]["layers"]
+    d, h, f, layers_n = cfg.hidden_size, cfg.dim_per_head, cfg.intermediate_size, cfg.num_layers
+    shapes = {
+        ("attn", "q_kernel"): (layers_n, d, cfg.num_heads, h),
+        ("attn", "k_kernel"): (layers_n, d, cfg.kv_heads, h),
+        ("attn", "v_kernel"): (layers_n, d, cfg.kv_heads, h),
+        ("mlp", "up_kernel"): (layers_n, d, f),
+    }
+    if cfg.gated_mlp:
+        shapes["mlp", "gate_kernel"] = (layers_n, d, f)
+    counts = set()
+    for (block, name), shape in shapes.items():
+        local = layers[block][name].shard_shape(shape)
+        if len(shape) == 4 and local[3] != shape[3]:
+            return None  # split inside a head: per-head interleaving would not line up
+        counts.add(int(np.prod(shape[2:]) // np.prod(local[2:])))
+    return counts.pop() if len(counts) == 1 else None
 
 
 def model_layout(layer: Params) -> Params:
@@ -241,9 +320,13 @@ def _attention(
     rows = x.shape[0]
     n_heads, kv, h = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
     names = (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None)
-    q = constrain(_project(cfg, p, x, "q"), names)
-    k = constrain(_project(cfg, p, x, "k"), names)
-    v = constrain(_project(cfg, p, x, "v"), names)
+    if "qkv_kernel" in p:
+        widths = (n_heads * h, kv * h, kv * h)
+        q, k, v = _fused_matmul(cfg, p, x[:, 0], "qkv", widths)
+        q, k, v = (y.reshape(rows, 1, -1, h) for y in (q, k, v))
+    else:
+        q, k, v = (_project(cfg, p, x, name) for name in ("q", "k", "v"))
+    q, k, v = (constrain(y, names) for y in (q, k, v))
     if rope is not None:
         q, k = _rotate(q, rope), _rotate(k, rope)
     # Write this token's key/value into its slot (in place: the cache is the loop carry).
@@ -265,6 +348,20 @@ def _attention(
     if cfg.out_bias:
         out = out + p["o_bias"].astype(cfg.compute_dtype)
     return out, gen_k, gen_v
+
+
+def _fused_mlp(
+    cfg: ModelConfig, constrain: Constrain, p: Params, x: Float[Array, "R 1 D"]
+) -> Float[Array, "R 1 D"]:
+    """The model's gated ``Mlp`` with gate and up as one :func:`_fuse` kernel and the down
+    kernel in decode layout ``[D, F]``."""
+    f = cfg.intermediate_size
+    gate, up = _fused_matmul(cfg, p, x[:, 0], "gate_up", (f, f))
+    hidden = constrain(ACTIVATIONS[cfg.activation](gate) * up, (axes.BATCH, axes.ACT_MLP))
+    out = jnp.einsum("RF,DF->RD", hidden, p["down_kernel"].astype(cfg.compute_dtype))
+    if cfg.mlp_bias:
+        out = out + p["down_bias"].astype(cfg.compute_dtype)
+    return out[:, None, :]
 
 
 def decode_step(
@@ -328,7 +425,8 @@ def decode_step(
     new_k, new_v = [], []
     for i, p in enumerate(layers):
         # Attention reads the decode layout directly; the model's Mlp gets the model layout.
-        p = {**p, "mlp": model_layout(p["mlp"])}
+        if "gate_up_kernel" not in p["mlp"]:
+            p = {**p, "mlp": model_layout(p["mlp"])}
         if cache.shared_prefix:
             layer_cache = (cache.prefix_k[i], cache.prefix_v[i], cache.k[i], cache.v[i])
         else:
@@ -345,7 +443,11 @@ def decode_step(
             masks,
         )
         x = constrain(x + attn_out, residual)
-        x = x + mlp.apply({"params": p["mlp"]}, norm.apply({"params": p["mlp_norm"]}, x))
+        h = norm.apply({"params": p["mlp_norm"]}, x)
+        if "gate_up_kernel" in p["mlp"]:
+            x = x + _fused_mlp(cfg, constrain, p["mlp"], h)
+        else:
+            x = x + mlp.apply({"params": p["mlp"]}, h)
         x = constrain(x, residual)
         new_k.append(k)
         new_v.append(v)

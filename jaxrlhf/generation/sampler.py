@@ -284,6 +284,7 @@ def decode_loop(
     statics: SamplingStatics,
     loop: str,
     phases: tuple[int, ...],
+    fuse_shards: int | None,
     params: Any,
     state: SamplerState,
     arrays: dict[str, jax.Array],
@@ -295,10 +296,11 @@ def decode_loop(
     tokens read a copy of the cache cut to the first ``phases[c]`` generated slots, which
     is written back when the phase ends. On CPU this cuts the attention's memory traffic
     by about a quarter with four phases; the price is one loop body per phase to compile.
+    ``fuse_shards`` is ``decode.decode_weights``' ``shards`` (``decode.fused_shards``).
     """
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} is not one of {list(LOOPS)}")
-    weights = decode_lib.decode_weights(params, cfg.num_layers)
+    weights = decode_lib.decode_weights(params, cfg.num_layers, fuse_shards)
     prompt_len = state.prefix_mask.shape[1]
 
     def body(s: SamplerState) -> SamplerState:
@@ -449,7 +451,10 @@ class Sampler:
             max(cache_bytes.values()) / 2**20,
         )
         phases = phase_sizes(statics.max_new_tokens, self.decode_phases, self.min_phase_tokens)
-        loop_fn = functools.partial(decode_loop, self.cfg, self.constrain, statics, loop, phases)
+        shards = decode_lib.fused_shards(self.cfg, self.param_shardings)
+        loop_fn = functools.partial(
+            decode_loop, self.cfg, self.constrain, statics, loop, phases, shards
+        )
 
         def decode_fn(params, state, arrays):
             state = loop_fn(params, state, arrays)

@@ -89,7 +89,7 @@ def _dense_init(cfg: ModelConfig):
     return nn.initializers.normal(stddev=cfg.initializer_range)
 
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -215,7 +215,7 @@ class Mlp(nn.Module):
         cfg = self.cfg
         d, f = cfg.hidden_size, cfg.intermediate_size
         init, zeros = _dense_init(cfg), nn.initializers.zeros
-        act = _ACTIVATIONS[cfg.activation]
+        act = ACTIVATIONS[cfg.activation]
         act_names = (axes.BATCH, axes.LENGTH, axes.ACT_MLP)
 
         up = dense(x, _param(self, "up_kernel", (d, f), (axes.EMBED, axes.MLP), init))

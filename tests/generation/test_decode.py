@@ -20,12 +20,20 @@ from jaxrlhf.models.transformer import no_constraint
 from tests.generation.helpers import FAMILIES, jit_forward, prompts, tiny_cfg, tiny_params
 
 
-@pytest.mark.parametrize("family, n", [(f, 2) for f in FAMILIES] + [("llama", 1), ("mistral", 1)])
-def test_decode_logits_equal_full_forward(family, n):
+@pytest.mark.parametrize(
+    "family, n, shards",
+    [(f, 2, 1) for f in FAMILIES]
+    + [("llama", 1, 1), ("mistral", 1, 1), ("llama", 2, None), ("gpt2", 2, None)]
+    + [("qwen2", 2, 2), ("gemma", 1, 2)],
+)
+def test_decode_logits_equal_full_forward(family, n, shards):
     """Prefill a left-padded batch, feed fixed tokens one by one: the logits of every step
     equal a full forward over prompt + fed tokens. With n = 2 samples per prompt, each fed
     different tokens, the shared prompt cache and the per-sample cache both matter; n = 1
-    uses the joint prompt + generated cache (see generation/cache.py)."""
+    uses the joint prompt + generated cache (see generation/cache.py). ``shards`` is how the
+    q/k/v and gate/up kernels are fused (decode_weights): None keeps them apart, 2
+    interleaves them as for a two-way tensor-parallel layout (here on one device, which
+    checks that the split after the fused matmul undoes the interleaving)."""
     cfg, params = tiny_cfg(family), tiny_params(family)
     new = 5
     prompt, mask = prompts(cfg.vocab_size, lengths=(6, 4, 2), total=6, seed=1)
@@ -35,7 +43,7 @@ def test_decode_logits_equal_full_forward(family, n):
     @jax.jit
     def run(params, prompt, mask, fed):
         state = init_state(cfg, no_constraint, statics, params, prompt, mask, jax.random.key(0))
-        weights = decode_lib.decode_weights(params, cfg.num_layers)
+        weights = decode_lib.decode_weights(params, cfg.num_layers, shards)
 
         def feed(state, t):
             state = state.replace(tokens=state.tokens.at[:, t].set(fed[:, t]), step=t + 1)

@@ -7,6 +7,8 @@ matmuls sum in a different order (~1e-6 on these logits), far below the top-toke
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation import decode as decode_lib
 from jaxrlhf.generation.cache import abstract_cache, cache_nbytes
 from jaxrlhf.sharding import GENERATE, TRAIN, MeshConfig, make_mesh, reshard
 from jaxrlhf.sharding.model_sharding import param_shardings
@@ -34,6 +37,9 @@ def test_sharded_greedy_equals_single_device(shape):
     train_params, _ = reshard(host_params, param_shardings(cfg, mesh, TRAIN))
     s = Sampler(cfg, mesh)
     assert s.rules == GENERATE
+    # q/k/v and gate/up are fused per tensor shard where every such axis splits alike (4
+    # heads, 2 kv heads and 64 MLP units two ways); 2 kv heads cannot split four ways.
+    assert decode_lib.fused_shards(cfg, s.param_shardings) == (2 if shape[2] == 2 else None)
     with jax.transfer_guard("disallow"):
         params, stats = s.to_generate_layout(train_params)
     assert stats.bytes_moved > 0  # the fsdp-split weights are gathered for generation
@@ -57,3 +63,27 @@ def test_sharded_greedy_equals_single_device(shape):
         np.asarray(out.model_logprobs), np.asarray(ref.model_logprobs), atol=1e-5, rtol=0
     )
     assert out.tokens.sharding.is_equivalent_to(NamedSharding(mesh, P(BATCH, None)), 2)
+
+
+def test_fused_decode_weights_add_no_communication(monkeypatch):
+    """Fusing q/k/v and gate/up per tensor shard (decode.decode_weights) keeps each device's
+    slice of the fused kernel its own heads' rows: the compiled decode program has exactly
+    the collectives of the unfused one."""
+    cfg, host_params = tiny_cfg("llama"), tiny_params("llama")
+    tokens, mask = prompts(cfg.vocab_size, seed=11)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+
+    def collectives(shards_fn):
+        monkeypatch.setattr(decode_lib, "fused_shards", shards_fn)
+        s = Sampler(cfg, mesh)
+        params, _ = s.to_generate_layout(host_params)
+        state = s.prefill(params, tokens, mask, jax.random.key(0), GREEDY)
+        fn = s._decode_fn(GREEDY.static(), "scan", tokens.shape[0], tokens.shape[1])
+        hlo = fn.lower(params, state, GREEDY.arrays()).compile().as_text()
+        ops = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+        return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}
+
+    fused = collectives(decode_lib.fused_shards)
+    apart = collectives(lambda cfg, shardings: None)
+    assert fused == apart
+    assert fused["all-reduce"] > 0  # the count does see the tensor-parallel reductions
