@@ -22,6 +22,7 @@ Resolution (``spec_to_mesh``) follows flax's conventions:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import types
@@ -285,17 +286,18 @@ def _resolve_name(
         used.update(mesh_axes)
         return mesh_axes
     for mesh_axes, size in indivisible:
-        logger.warning(
-            "replicating dim %d (size %d, logical %r)%s: not divisible by mesh axes %s of"
-            " total size %d",
-            dim,
-            shape[dim] if shape is not None else -1,
-            name,
-            where,
-            mesh_axes,
-            size,
+        _warn_once(
+            f"replicating dim {dim} (size {shape[dim] if shape is not None else -1}, logical"
+            f" {name!r}){where}: not divisible by mesh axes {mesh_axes} of total size {size}"
         )
     return ()
+
+
+@functools.lru_cache(maxsize=4096)
+def _warn_once(message: str) -> None:
+    """Logs ``message`` the first time only: activation constraints resolve the same specs
+    on every trace of every layer, which repeated one warning dozens of times per compile."""
+    logger.warning(message)
 
 
 def _path_str(path: Sequence[Any]) -> str:
