@@ -45,8 +45,10 @@ def _batch(kind: str, n: int) -> dict[str, np.ndarray]:
 
 def test_accumulation_equals_full_batch_and_is_weighted():
     """4 micro-batches of different response lengths give the full-batch token-mean
-    gradient (1e-6: float32 sums in another order), and not the plain mean of the four
-    micro-batch gradients, which over-weights short responses."""
+    gradient, and not the plain mean of the four micro-batch gradients, which over-weights
+    short responses (that differs by > 1e-4). Tolerance 5e-6 abs + 1e-5 rel: float32 sums in
+    another order, on gradients up to ~1 (measured 1.5e-6 on an AMD Zen 3 VM, < 1e-6 on an
+    Intel one: the matmul kernels sum in different orders)."""
     cfg = ModelConfig.tiny(initializer_range=0.3)
     one = mesh(1, 1, 1)
     params = model_lib.init_params(cfg, jax.random.key(0))
@@ -70,7 +72,7 @@ def test_accumulation_equals_full_batch_and_is_weighted():
     full, full_metrics = grads(1)
     accumulated, metrics = grads(4)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), accumulated, full
+        lambda a, b: np.testing.assert_allclose(a, b, atol=5e-6, rtol=1e-5), accumulated, full
     )
     for key in full_metrics:
         np.testing.assert_allclose(metrics[key], full_metrics[key], atol=1e-6, err_msg=key)
