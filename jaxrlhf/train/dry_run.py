@@ -33,7 +33,8 @@ Where the numbers come from, and what they are worth:
 * Nothing is read but the config: no data, no tokenizer, no weights. A model section must
   therefore name a ``preset`` (or an ``hf_dir`` whose config.json exists); a reward model
   or DPO reference whose checkpoint is absent is planned with the policy's architecture
-  (the report says so).
+  (the report says so). In a pipeline, a path to what an earlier stage exports is planned
+  from that stage's model config (:class:`_PendingExports`).
 """
 
 from __future__ import annotations
@@ -378,24 +379,127 @@ def cli(
     flags += [f"--device-kind={kind}"] * (kind is not None)
     stages = pipeline_stages(path) or [path]
     status = 0
-    for i, stage in enumerate(stages):
-        if len(stages) > 1:
-            print(f"== stage {i + 1}/{len(stages)}: {stage}", flush=True)
-        needed = _configured_mesh(stage, overrides)
-        if not _cpu_devices(needed):
-            if os.environ.get(_CHILD_ENV):
-                raise MeshError(f"could not get {needed} CPU devices for the dry run")
-            status = max(status, _run_child(stage, overrides, flags, needed))
-            continue
-        cfg = load_config(stage, overrides, device_count=needed or len(jax.devices("cpu")))
-        try:
-            report = plan(cfg, source=stage, device_memory=limit, device_label=label)
-        except DryRunError as e:
-            print(f"error: {stage}: {e}", file=sys.stderr)
-            status = 1
-            continue
-        print(format_report(report), flush=True)
-        if report.fits is False:
-            print(f"error: {stage}: {report.reason()}", file=sys.stderr)
-            status = 1
+    # A pipeline stage often loads the model an earlier stage exports; that export does not
+    # exist before a real run, so those stages are planned from a stand-in directory holding
+    # the config.json the earlier stage would write (the dry run reads nothing else).
+    exports = _PendingExports()
+    try:
+        for i, stage in enumerate(stages):
+            if len(stages) > 1:
+                print(f"== stage {i + 1}/{len(stages)}: {stage}", flush=True)
+            stage_overrides = [*overrides, *exports.overrides_for(stage, overrides)]
+            needed = _configured_mesh(stage, stage_overrides)
+            cfg = None
+            if not _cpu_devices(needed):
+                if os.environ.get(_CHILD_ENV):
+                    raise MeshError(f"could not get {needed} CPU devices for the dry run")
+                status = max(status, _run_child(stage, stage_overrides, flags, needed))
+            else:
+                devices = needed or len(jax.devices("cpu"))
+                cfg = load_config(stage, stage_overrides, device_count=devices)
+                status = max(status, _plan_and_report(cfg, stage, limit, label))
+            if i + 1 < len(stages):
+                exports.add(cfg, stage, stage_overrides, needed, i + 1)
+    finally:
+        exports.close()
     return status
+
+
+def _plan_and_report(cfg: RunConfig, stage: str, limit: int | None, label: str | None) -> int:
+    """Plans one stage and prints its table; 1 when it does not fit or compile, else 0."""
+    try:
+        report = plan(cfg, source=stage, device_memory=limit, device_label=label)
+    except DryRunError as e:
+        print(f"error: {stage}: {e}", file=sys.stderr)
+        return 1
+    print(format_report(report), flush=True)
+    if report.fits is False:
+        print(f"error: {stage}: {report.reason()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _PendingExports:
+    """The Hugging Face exports earlier pipeline stages would write, as stand-in directories
+    holding only their ``config.json``; later stages' paths to them are redirected there."""
+
+    def __init__(self) -> None:
+        self._root: str | None = None
+        self._by_path: dict[str, tuple[str, int, str]] = {}  # export -> (stand-in, stage)
+
+    def add(
+        self,
+        cfg: RunConfig | None,
+        stage: str,
+        overrides: Sequence[str],
+        needed: int | None,
+        number: int,
+    ) -> None:
+        """Records what ``stage`` (the ``number``-th) exports; ``cfg`` None = load it here."""
+        import json
+        import tempfile
+
+        from jaxrlhf.models.hf_config import to_hf_config
+        from jaxrlhf.train.loop import HF_DIR
+
+        if cfg is None:  # planned in a child process: only its model config is needed here
+            try:
+                cfg = load_config(stage, overrides, device_count=needed)
+            except ConfigError:
+                return  # the child reported it
+        if not cfg.checkpoint.export_hf:
+            return
+        run_dir = cfg.output_dir or os.path.join("runs", cfg.algorithm)
+        export = os.path.abspath(os.path.join(run_dir, HF_DIR))
+        if self._root is None:
+            self._root = tempfile.mkdtemp(prefix="jaxrlhf-dry-run-")
+        stand_in = os.path.join(self._root, f"stage{number}")
+        os.makedirs(stand_in, exist_ok=True)
+        head = "scalar" if cfg.algorithm == "reward_model" else "lm"
+        with open(os.path.join(stand_in, "config.json"), "w") as f:
+            json.dump(to_hf_config(validate(cfg, source=stage), head), f)
+        self._by_path[export] = (stand_in, number, stage)
+
+    def overrides_for(self, stage: str, overrides: Sequence[str]) -> list[str]:
+        """``key=stand-in`` overrides for the settings of ``stage`` that name a pending
+        export which does not exist yet; prints a note for each."""
+        import yaml
+
+        if not self._by_path:
+            return []
+        try:
+            with open(stage, encoding="utf-8") as f:
+                data, _ = apply_overrides(yaml.safe_load(f) or {}, overrides)
+        except (OSError, yaml.YAMLError, ConfigError):
+            return []  # load_config reports it
+        out = []
+        for key, value in _string_settings(data):
+            found = self._by_path.get(os.path.abspath(value))
+            if found is None or os.path.exists(os.path.join(value, "config.json")):
+                continue
+            stand_in, number, source = found
+            print(
+                f"note: {key}: {value} is written by stage {number} ({source}), which has not"
+                " run: planned with the model that stage exports",
+                flush=True,
+            )
+            out.append(f"{key}={stand_in}")
+        return out
+
+    def close(self) -> None:
+        import shutil
+
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+
+def _string_settings(data: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """``(dotted.key, value)`` for every string value in nested mappings."""
+    out = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.extend(_string_settings(value, f"{dotted}."))
+        elif isinstance(value, str):
+            out.append((dotted, value))
+    return out

@@ -20,6 +20,7 @@ device here; the real executables' memory analysis is the measurement.
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -309,3 +310,37 @@ def test_qwen_recipe_dry_run_fits_one_h100(capsys):
     out = capsys.readouterr().out
     for needle in ("grpo, qwen2, ", "mesh data=1 x fsdp=1 x tensor=1", "decode", "fits:"):
         assert needle in out
+
+
+def _tables(out: str) -> list[str]:
+    """The report lines of a dry-run printout, without notes and compile times."""
+    lines = [line for line in out.splitlines() if not line.startswith("note:")]
+    lines = [re.sub(r" in [\d.]+ s:", " in _ s:", line) for line in lines]  # footer
+    return [" ".join(line.split()[:-1]) if line.endswith("s") else line for line in lines]
+
+
+def test_pipeline_dry_run_plans_stages_whose_inputs_an_earlier_stage_exports(
+    tmp_path, monkeypatch, capsys
+):
+    """The quickstart pipeline before anything has run: the RM and PPO stages load the SFT
+    and RM exports, which do not exist yet. They are planned from stand-ins holding the
+    config.json those stages would write, and the plan equals the one made after the
+    exports exist (the same tables, byte for byte), with a note naming each stand-in."""
+    monkeypatch.chdir(tmp_path)  # the quickstart writes runs/quickstart/... under the cwd
+    pipeline = os.path.join(helpers.CONFIGS, "quickstart.yaml")
+    assert main(["--config", pipeline, "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    assert planned.count("note: ") == 3
+    assert "note: ppo.reward.model_dir: runs/quickstart/rm/hf is written by stage 2" in planned
+    assert planned.count(" peaks at ") == 3
+    assert not (tmp_path / "runs").exists()
+
+    # The exports as the real stages write them (random weights: only config.json is read).
+    sft_cfg = load_config(os.path.join(helpers.CONFIGS, "quickstart", "sft.yaml")).model.resolve()
+    for stage, head in (("sft", "lm"), ("rm", "scalar")):
+        params = model_lib.init_params(sft_cfg, jax.random.key(0), head)
+        save_hf(str(tmp_path / "runs" / "quickstart" / stage / "hf"), sft_cfg, params, head=head)
+    assert main(["--config", pipeline, "--dry-run"]) == 0
+    real = capsys.readouterr().out
+    assert "note: " not in real
+    assert _tables(planned) == _tables(real)
