@@ -110,7 +110,7 @@ def _relayout(tree: Params, to_decode: bool) -> Params:
 
 
 def decode_weights(
-    params: Params, num_layers: int, shards: int | None = 1
+    params: Params, num_layers: int, shards: int | None | dict[str, int | None] = 1
 ) -> tuple[list[Params], jax.Array | None]:
     """The weights as the decode loop reads them: one tree per layer, kernels transposed.
 
@@ -132,7 +132,8 @@ def decode_weights(
       (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``) so that every device's slice of the fused
       kernel is its own heads' q, k and v and the split after the matmul needs no
       communication. ``None`` keeps the kernels apart (a layout where the axes are split
-      unevenly).
+      unevenly). A dict ``{"attn": ..., "mlp": ...}`` decides per block (see
+      :func:`fused_shards`).
 
     Returns:
       ``(layers, lm_head)``: per-layer param trees in decode layout, and the untied LM head
@@ -142,8 +143,8 @@ def decode_weights(
     layers = [
         _relayout(jax.tree.map(lambda x, i=i: x[i], stacked), True) for i in range(num_layers)
     ]
-    if shards is not None:
-        layers = [_fuse(layer, shards) for layer in layers]
+    by_block = shards if isinstance(shards, dict) else dict.fromkeys(_FUSED, shards)
+    layers = [_fuse(layer, by_block) for layer in layers]
     head = params.get("lm_head")
     head = None if head is None else jnp.moveaxis(head, 0, -1)
     # Without the barrier XLA cancels these transposes against the ones in the loop body.
@@ -153,21 +154,23 @@ def decode_weights(
 _FUSED = {"attn": ("qkv", ("q", "k", "v")), "mlp": ("gate_up", ("gate", "up"))}
 
 
-def _fuse(layer: Params, shards: int) -> Params:
+def _fuse(layer: Params, shards: dict[str, int | None]) -> Params:
     """One decode-layout layer with q/k/v and gate/up kernels (and biases) interleaved per
     shard into ``qkv_*`` / ``gate_up_*``: kernels ``[shards, rows, D]`` (a ``[N, H, D]``
-    kernel gives each shard ``N*H / shards`` rows), biases ``[shards, rows]``."""
+    kernel gives each shard ``N*H / shards`` rows), biases ``[shards, rows]``. A block whose
+    ``shards`` entry is None keeps its kernels apart."""
     layer = dict(layer)
     for block, (fused, names) in _FUSED.items():
         p = dict(layer[block])
-        if f"{names[0]}_kernel" not in p:  # ungated MLP: nothing to fuse
+        if shards.get(block) is None or f"{names[0]}_kernel" not in p:  # (ungated MLP)
             continue
+        count = shards[block]
         for suffix in ("kernel", "bias"):
             if f"{names[0]}_{suffix}" not in p:
                 continue
             parts = [p.pop(f"{name}_{suffix}") for name in names]
             trail = 1 if suffix == "kernel" else 0  # the contracted D stays last
-            rows = [x.reshape(shards, -1, *x.shape[x.ndim - trail :]) for x in parts]
+            rows = [x.reshape(count, -1, *x.shape[x.ndim - trail :]) for x in parts]
             p[f"{fused}_{suffix}"] = jnp.concatenate(rows, axis=1)
         layer[block] = p
     return layer
@@ -190,29 +193,36 @@ def _fused_matmul(
     return [y.reshape(x.shape[0], -1) for y in jnp.split(out, bounds, axis=-1)]
 
 
-def fused_shards(cfg: ModelConfig, shardings: Params | None) -> int | None:
+def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | None]:
     """The ``shards`` argument of :func:`decode_weights` for params laid out by ``shardings``
-    (the sampler's param shardings; None = one device): how many pieces the q/k/v and
-    gate/up output axes are split into, or None where they are not split alike."""
+    (the sampler's param shardings; None = one device): per block (``"attn"``: q/k/v,
+    ``"mlp"``: gate/up) how many pieces its kernels' output axes are split into, or None
+    where they are not split alike (e.g. kv heads replicated while query heads are split)."""
     if shardings is None:
-        return 1
+        return dict.fromkeys(_FUSED, 1)
     layers = shardings["decoder"]["layers"]
     d, h, f, layers_n = cfg.hidden_size, cfg.dim_per_head, cfg.intermediate_size, cfg.num_layers
     shapes = {
-        ("attn", "q_kernel"): (layers_n, d, cfg.num_heads, h),
-        ("attn", "k_kernel"): (layers_n, d, cfg.kv_heads, h),
-        ("attn", "v_kernel"): (layers_n, d, cfg.kv_heads, h),
-        ("mlp", "up_kernel"): (layers_n, d, f),
+        "attn": {
+            "q_kernel": (layers_n, d, cfg.num_heads, h),
+            "k_kernel": (layers_n, d, cfg.kv_heads, h),
+            "v_kernel": (layers_n, d, cfg.kv_heads, h),
+        },
+        "mlp": {"up_kernel": (layers_n, d, f)},
     }
     if cfg.gated_mlp:
-        shapes["mlp", "gate_kernel"] = (layers_n, d, f)
-    counts = set()
-    for (block, name), shape in shapes.items():
-        local = layers[block][name].shard_shape(shape)
-        if len(shape) == 4 and local[3] != shape[3]:
-            return None  # split inside a head: per-head interleaving would not line up
-        counts.add(int(np.prod(shape[2:]) // np.prod(local[2:])))
-    return counts.pop() if len(counts) == 1 else None
+        shapes["mlp"]["gate_kernel"] = (layers_n, d, f)
+    out: dict[str, int | None] = {}
+    for block, kernels in shapes.items():
+        counts = set()
+        for name, shape in kernels.items():
+            local = layers[block][name].shard_shape(shape)
+            if len(shape) == 4 and local[3] != shape[3]:
+                counts.add(None)  # split inside a head: per-head interleaving cannot line up
+            else:
+                counts.add(int(np.prod(shape[2:]) // np.prod(local[2:])))
+        out[block] = counts.pop() if len(counts) == 1 else None
+    return out
 
 
 def model_layout(layer: Params) -> Params:

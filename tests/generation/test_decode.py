@@ -24,7 +24,7 @@ from tests.generation.helpers import FAMILIES, jit_forward, prompts, tiny_cfg, t
     "family, n, shards",
     [(f, 2, 1) for f in FAMILIES]
     + [("llama", 1, 1), ("mistral", 1, 1), ("llama", 2, None), ("gpt2", 2, None)]
-    + [("qwen2", 2, 2), ("gemma", 1, 2)],
+    + [("qwen2", 2, 2), ("gemma", 1, 2), ("llama", 2, {"attn": None, "mlp": 2})],
 )
 def test_decode_logits_equal_full_forward(family, n, shards):
     """Prefill a left-padded batch, feed fixed tokens one by one: the logits of every step
@@ -33,7 +33,8 @@ def test_decode_logits_equal_full_forward(family, n, shards):
     uses the joint prompt + generated cache (see generation/cache.py). ``shards`` is how the
     q/k/v and gate/up kernels are fused (decode_weights): None keeps them apart, 2
     interleaves them as for a two-way tensor-parallel layout (here on one device, which
-    checks that the split after the fused matmul undoes the interleaving)."""
+    checks that the split after the fused matmul undoes the interleaving); a dict decides
+    per block."""
     cfg, params = tiny_cfg(family), tiny_params(family)
     new = 5
     prompt, mask = prompts(cfg.vocab_size, lengths=(6, 4, 2), total=6, seed=1)

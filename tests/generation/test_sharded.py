@@ -37,9 +37,11 @@ def test_sharded_greedy_equals_single_device(shape):
     train_params, _ = reshard(host_params, param_shardings(cfg, mesh, TRAIN))
     s = Sampler(cfg, mesh)
     assert s.rules == GENERATE
-    # q/k/v and gate/up are fused per tensor shard where every such axis splits alike (4
-    # heads, 2 kv heads and 64 MLP units two ways); 2 kv heads cannot split four ways.
-    assert decode_lib.fused_shards(cfg, s.param_shardings) == (2 if shape[2] == 2 else None)
+    # q/k/v and gate/up are fused per tensor shard where their axes split alike (4 heads,
+    # 2 kv heads and 64 MLP units two ways); 2 kv heads cannot split four ways, so on the
+    # 4-way mesh only gate/up are fused.
+    attn = shape[2] if shape[2] == 2 else None
+    assert decode_lib.fused_shards(cfg, s.param_shardings) == {"attn": attn, "mlp": shape[2]}
     with jax.transfer_guard("disallow"):
         params, stats = s.to_generate_layout(train_params)
     assert stats.bytes_moved > 0  # the fsdp-split weights are gathered for generation
@@ -65,13 +67,14 @@ def test_sharded_greedy_equals_single_device(shape):
     assert out.tokens.sharding.is_equivalent_to(NamedSharding(mesh, P(BATCH, None)), 2)
 
 
-def test_fused_decode_weights_add_no_communication(monkeypatch):
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)], ids=["2x2x2", "1x2x4"])
+def test_fused_decode_weights_add_no_communication(shape, monkeypatch):
     """Fusing q/k/v and gate/up per tensor shard (decode.decode_weights) keeps each device's
     slice of the fused kernel its own heads' rows: the compiled decode program has exactly
-    the collectives of the unfused one."""
+    the collectives of the unfused one (on 1x2x4 only gate/up are fused)."""
     cfg, host_params = tiny_cfg("llama"), tiny_params("llama")
     tokens, mask = prompts(cfg.vocab_size, seed=11)
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]))
 
     def collectives(shards_fn):
         monkeypatch.setattr(decode_lib, "fused_shards", shards_fn)
@@ -84,6 +87,6 @@ def test_fused_decode_weights_add_no_communication(monkeypatch):
         return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}
 
     fused = collectives(decode_lib.fused_shards)
-    apart = collectives(lambda cfg, shardings: None)
+    apart = collectives(lambda cfg, shardings: None)  # None: both blocks apart
     assert fused == apart
     assert fused["all-reduce"] > 0  # the count does see the tensor-parallel reductions
