@@ -123,10 +123,12 @@ def decode_weights(
       ``q_kernel``, ``[F, D]`` for ``up_kernel``, ``[V, D]`` for ``lm_head``...). Decode
       multiplies a few rows (M = R) by each kernel, and XLA's CPU matmul for that shape is
       ~1.5x faster with the kernel in this layout (measured on the benchmark machine:
-      bench-M MLP chain at M = 32, 65-72 vs 98-110 GFLOP/s).
+      bench-M MLP chain at M = 32, 65-72 vs 98-110 GFLOP/s). Where the loop body uses the
+      model's own modules it transposes back (``model_layout``), and XLA folds those
+      transposes into the matmuls.
     * With ``shards`` set, the q/k/v kernels become one ``qkv_kernel`` and gate/up one
       ``gate_up_kernel`` (biases alike), so each layer runs two wide matmuls where it ran
-      five narrow ones: at M = 32 that is ~15% of a bench-S decode step (see
+      five narrow ones: 8-10% of a bench-S generate call at M = 32 (see
       benchmarks/RESULTS.md). ``shards`` is the number of devices the heads and MLP axes
       are split over in the generation layout; the kernels are interleaved per shard
       (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``) so that every device's slice of the fused
@@ -434,7 +436,8 @@ def decode_step(
     layers, head = weights
     new_k, new_v = [], []
     for i, p in enumerate(layers):
-        # Attention reads the decode layout directly; the model's Mlp gets the model layout.
+        # Attention reads the decode layout directly; the model's Mlp (gate/up unfused)
+        # gets the model layout.
         if "gate_up_kernel" not in p["mlp"]:
             p = {**p, "mlp": model_layout(p["mlp"])}
         if cache.shared_prefix:
