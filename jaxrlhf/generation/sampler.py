@@ -284,7 +284,7 @@ def decode_loop(
     statics: SamplingStatics,
     loop: str,
     phases: tuple[int, ...],
-    fuse_shards: int | None,
+    fuse_shards: dict[str, int | None],
     params: Any,
     state: SamplerState,
     arrays: dict[str, jax.Array],
