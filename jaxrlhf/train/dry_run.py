@@ -440,7 +440,7 @@ class _PendingExports:
         import tempfile
 
         from jaxrlhf.models.hf_config import to_hf_config
-        from jaxrlhf.train.loop import HF_DIR
+        from jaxrlhf.train.loop import exported_model
 
         if cfg is None:  # planned in a child process: only its model config is needed here
             try:
@@ -449,13 +449,12 @@ class _PendingExports:
                 return  # the child reported it
         if not cfg.checkpoint.export_hf:
             return
-        run_dir = cfg.output_dir or os.path.join("runs", cfg.algorithm)
-        export = os.path.abspath(os.path.join(run_dir, HF_DIR))
+        export, head = exported_model(cfg)
+        export = os.path.abspath(export)
         if self._root is None:
             self._root = tempfile.mkdtemp(prefix="jaxrlhf-dry-run-")
         stand_in = os.path.join(self._root, f"stage{number}")
         os.makedirs(stand_in, exist_ok=True)
-        head = "scalar" if cfg.algorithm == "reward_model" else "lm"
         with open(os.path.join(stand_in, "config.json"), "w") as f:
             json.dump(to_hf_config(validate(cfg, source=stage), head), f)
         self._by_path[export] = (stand_in, number, stage)

@@ -69,6 +69,20 @@ CONFIG_FILE = "config.yaml"
 HF_DIR = "hf"
 
 
+def run_directory(cfg: RunConfig) -> str:
+    """Where a run writes its files: ``output_dir``, default ``runs/<algorithm>``."""
+    return cfg.output_dir or os.path.join("runs", cfg.algorithm)
+
+
+def exported_model(cfg: RunConfig) -> tuple[str, str]:
+    """``(directory, head)`` of the Hugging Face model a run exports at its end (when
+    ``checkpoint.export_hf``): the trained model, or the policy of an RL run."""
+    head = "lm"
+    if cfg.algorithm in TRAINERS:
+        head = TRAINERS[cfg.algorithm](getattr(cfg, cfg.algorithm)).head
+    return os.path.join(run_directory(cfg), HF_DIR), head
+
+
 @dataclasses.dataclass
 class Trainer:
     """Everything built before the first step. ``state`` is replaced by each step."""
@@ -380,7 +394,7 @@ def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -
 
         return run_rl(cfg, mesh=mesh, source=source)
     main = jax.process_index() == 0
-    run_dir = cfg.output_dir or os.path.join("runs", cfg.algorithm)
+    run_dir = run_directory(cfg)
     ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
     trainer = build_trainer(cfg, mesh=mesh, source=source)
     history: list[dict[str, Any]] = []
@@ -460,12 +474,12 @@ def run(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>") -
         progress.close()
         log.close()
     if cfg.checkpoint.export_hf:
-        hf_dir = os.path.join(run_dir, HF_DIR)
+        hf_dir, head = exported_model(cfg)
         save_hf(
             hf_dir,
             trainer.model_cfg,
             trainer.state.params,
-            head=obj.head,
+            head=head,
             dtype=cfg.checkpoint.export_dtype,
         )
         if main:

@@ -23,7 +23,7 @@ from jaxrlhf.train.checkpointing import (
     open_checkpointer,
     wrap_key,
 )
-from jaxrlhf.train.loop import CONFIG_FILE, HF_DIR, RunResult
+from jaxrlhf.train.loop import CONFIG_FILE, RunResult, exported_model, run_directory
 from jaxrlhf.train.metrics import (
     PLOT_FILE,
     MetricsLogger,
@@ -128,7 +128,7 @@ def run_rl(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>"
     Resumes, checkpoints and stops on signals like :func:`jaxrlhf.train.loop.run`.
     """
     main = jax.process_index() == 0
-    run_dir = cfg.output_dir or os.path.join("runs", cfg.algorithm)
+    run_dir = run_directory(cfg)
     ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
     trainer = build_rl_trainer(cfg, mesh=mesh, source=source)
     history: list[dict[str, Any]] = []
@@ -178,7 +178,7 @@ def run_rl(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>"
             json.dump(summary, f, indent=2)
         print(f"{cfg.algorithm} summary: {format_summary(summary)}")
     if cfg.checkpoint.export_hf:
-        hf_dir = os.path.join(run_dir, HF_DIR)
+        hf_dir, _ = exported_model(cfg)
         save_hf(
             hf_dir,
             trainer.model_cfg,
