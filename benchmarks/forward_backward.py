@@ -4,12 +4,13 @@ bench-S (or bench-M) on [32, 128] random tokens, unpacked; loss = mean log-prob 
 tokens, the shape of R1's update without the RL terms. For each framework: median wall
 milliseconds per call over ``--reps`` calls after a warm-up, and per call the process's user
 and kernel (system) CPU milliseconds and minor page faults (``getrusage``). The kernel time is
-where XLA:CPU's per-execution temporary buffer shows: see benchmarks/RESULTS.md ("Why the
-update loses per token") and try it with the glibc settings given there::
+where XLA:CPU's per-execution temporary buffer shows (benchmarks/RESULTS.md, "Why the
+update loses per token"). Like ``python -m jaxrlhf.train`` on CPU, it first applies
+``jaxrlhf.host_memory.reuse_freed_host_memory``; ``JAXRLHF_HOST_MEMORY=system`` leaves glibc's
+and JAX's defaults, to compare::
 
     python benchmarks/forward_backward.py
-    MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 \\
-        python benchmarks/forward_backward.py
+    JAXRLHF_HOST_MEMORY=system python benchmarks/forward_backward.py
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrlhf import host_memory  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
 from jaxrlhf.models.hf_checkpoint import save_hf  # noqa: E402
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
+    host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
 
     import torch
     import transformers
@@ -97,7 +100,10 @@ def main() -> None:
         hf.zero_grad(set_to_none=True)
 
     env = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_ENV if k in os.environ)
-    print(f"# {args.model}, [{BATCH}, {LENGTH}] tokens, fwd+bwd; malloc env: {env or 'default'}")
+    print(
+        f"# {args.model}, [{BATCH}, {LENGTH}] tokens, fwd+bwd; host memory reuse: "
+        f"{host or 'on'}; malloc env: {env or 'default'}"
+    )
     print("| framework | wall ms | user ms | system ms | minor faults |")
     print("|---|---|---|---|---|")
     for name, fn in (

@@ -42,6 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrlhf import host_memory  # noqa: E402
 from jaxrlhf.generation import Sampler, SamplingParams  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--skip-hf", action="store_true", help="time jaxrlhf only")
     args = parser.parse_args(argv)
+    host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
 
     import torch
     import transformers
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# machine: {cpu_model()}, {os.cpu_count()} CPUs; jax {jax.__version__}, "
         f"torch {torch.__version__} ({args.threads} threads), transformers "
-        f"{transformers.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+        f"{transformers.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+        f"host memory reuse: {host or 'on'}"
     )
     print(f"# cpu pressure at start: {cpu_pressure()}")
     print(f"# workload: {BATCH} prompts x {PROMPT} tokens, {NEW} new tokens, temperature 1.0")

@@ -36,6 +36,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxrlhf import host_memory  # noqa: E402
 from jaxrlhf.config import load_config  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
@@ -173,6 +174,7 @@ def main() -> None:
         "--skip-pytorch", action="store_true", help="leave out the PyTorch + transformers run"
     )
     args = parser.parse_args()
+    host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -181,7 +183,8 @@ def main() -> None:
         pass
     print(
         f"# {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, {jax.device_count()} "
-        f"{jax.default_backend()} device(s), {os.cpu_count()} cores, {cpu}"
+        f"{jax.default_backend()} device(s), {os.cpu_count()} cores, {cpu}; "
+        f"host memory reuse: {host or 'on'}"
     )
     header = (
         "workload",

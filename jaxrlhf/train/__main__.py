@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.device_memory is not None or args.device_kind is not None:
             raise ConfigError("command line: --device-memory and --device-kind need --dry-run")
+        from jaxrlhf import host_memory
         from jaxrlhf.sharding.distributed import initialize_from_env
 
+        not_applied = host_memory.reuse_freed_host_memory()  # before the backend starts
+        if not_applied:
+            logging.getLogger("jaxrlhf").debug("host memory defaults kept: %s", not_applied)
         initialize_from_env()  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
         stages = pipeline_stages(args.config) or [args.config]
         for i, path in enumerate(stages):

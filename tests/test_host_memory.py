@@ -1,0 +1,89 @@
+"""jaxrlhf.host_memory: freed host memory is reused on the CPU backend.
+
+The settings are process-wide and must precede JAX's backend, so the real check runs in a
+fresh process: there a jitted program with four 32 MiB float32 intermediates live at once (a
+temporary buffer of at least 128 MiB) runs twice, and the second run must page-fault in fewer
+than a quarter of those pages. Without the settings glibc maps the buffer fresh on every run
+(checked too: more than half of the pages fault again). Faults are counted by the kernel
+(``getrusage``), not timed, so the check does not depend on the machine's speed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrlhf import host_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PROGRAM = """
+import json, resource, sys
+from jaxrlhf import host_memory
+reason = host_memory.reuse_freed_host_memory() if sys.argv[1] == "reuse" else "not asked"
+import jax, jax.numpy as jnp, numpy as np
+
+@jax.jit
+def step(x):  # intermediates of 32 MiB each, live together: a temp buffer of >= 128 MiB
+    a = jnp.sin(x); b = jnp.cos(x); c = a * b; d = jnp.exp(-x * x)
+    return (a + b + c + d).sum(axis=(1, 2)) + (a * d).sum(axis=(1, 2)) + (b * c).max(axis=(1, 2))
+
+x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 1024, 256)), jnp.float32)
+first = np.asarray(step(x))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+second = np.asarray(step(x))
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({
+    "reason": reason, "faults": faults, "same": bool((first == second).all()),
+    "async": jax.config.values["jax_cpu_enable_async_dispatch"],
+}))
+"""
+
+
+def _run(mode: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop(host_memory.OPT_OUT_ENV, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+def test_second_step_reuses_its_temporary_buffer():
+    pages = 128 * 2**20 // 4096
+    with_reuse = _run("reuse")
+    if with_reuse["reason"] == "no mallopt (not glibc)":
+        pytest.skip("the C library is not glibc")
+    assert with_reuse["reason"] is None
+    assert with_reuse["async"] is False
+    assert with_reuse["same"]
+    assert with_reuse["faults"] < pages // 4, with_reuse
+    # The reference: the same program with glibc's and JAX's defaults faults it all in again.
+    default = _run("default")
+    assert default["faults"] > pages // 2, default
+
+
+def test_not_applied_once_a_backend_exists_or_when_opted_out(monkeypatch):
+    import jax.numpy as jnp
+
+    jnp.zeros(1).block_until_ready()  # this test process's backend exists
+    assert host_memory.reuse_freed_host_memory() == "a JAX backend already exists"
+    monkeypatch.setenv(host_memory.OPT_OUT_ENV, "system")
+    assert host_memory.reuse_freed_host_memory() == "JAXRLHF_HOST_MEMORY=system"
+
+
+def test_cpu_backend_expected_follows_jax_platforms(monkeypatch):
+    monkeypatch.setattr(host_memory, "_configured_platforms", lambda: "cpu")
+    assert host_memory.cpu_backend_expected()
+    monkeypatch.setattr(host_memory, "_configured_platforms", lambda: "cuda,cpu")
+    assert not host_memory.cpu_backend_expected()
