@@ -28,12 +28,9 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import importlib.util
-import logging
 import os
 
 import jax
-
-log = logging.getLogger(__name__)
 
 # glibc <malloc.h> mallopt parameters.
 _M_TRIM_THRESHOLD = -1
