@@ -19,7 +19,6 @@ import argparse
 import os
 import resource
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,6 @@ import numpy as np  # noqa: E402
 from jaxrlhf import host_memory  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
-from jaxrlhf.models.hf_checkpoint import save_hf  # noqa: E402
 
 MODELS = {"bench-s": ModelConfig.bench_s, "bench-m": ModelConfig.bench_m}
 BATCH, LENGTH, RESPONSE = 32, 128, 64
@@ -72,6 +70,8 @@ def main() -> None:
     import torch
     import transformers
 
+    from benchmarks.pytorch_rl import hf_causal_lm
+
     cfg = MODELS[args.model]()
     params = model_lib.init_params(cfg, jax.random.key(0))
     module = model_lib.build(cfg)
@@ -88,9 +88,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-    with tempfile.TemporaryDirectory() as d:
-        save_hf(d, cfg, params)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    hf = hf_causal_lm(cfg, params)
     tokens_t = torch.from_numpy(tokens).long()
 
     def torch_step() -> None:

@@ -30,7 +30,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -167,17 +166,6 @@ def run_jax(sampler, params, tokens, mask, sp, key) -> tuple[float, float, float
     return t2 - t0, t1 - t0, t2 - t1
 
 
-def make_hf(cfg: ModelConfig, params, directory: str):
-    import transformers
-
-    from jaxrlhf.models.hf_checkpoint import save_hf
-
-    save_hf(directory, cfg, params)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype="float32").eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def run_hf(model, tokens_t, mask_t, seed: int) -> float:
     import torch
 
@@ -241,9 +229,10 @@ def bench_model(name: str, args) -> Result:
     if not args.skip_hf:
         import torch
 
+        from benchmarks.pytorch_rl import hf_causal_lm
+
         torch.set_num_threads(args.threads)
-        with tempfile.TemporaryDirectory() as d:
-            hf_model = make_hf(cfg, params, d)
+        hf_model = hf_causal_lm(cfg, params)
         tokens_t, mask_t = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask).long()
         run_hf(hf_model, tokens_t, mask_t, seed=0)  # warm-up
 

@@ -17,6 +17,7 @@ against it understates jaxrlhf's lead over them.
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 
@@ -30,6 +31,16 @@ from jaxrlhf.models.hf_checkpoint import save_hf
 # The same GRPO/PPO settings as benchmarks/rl_step.py's configs (and jaxrlhf's defaults).
 CLIP_EPS, VALUE_CLIP, KL_BETA, LR = 0.2, 0.2, 0.04, 1e-6
 GAMMA, LAM = 1.0, 0.95
+
+
+def hf_causal_lm(cfg: ModelConfig, params) -> transformers.PreTrainedModel:
+    """transformers' CausalLM holding jaxrlhf ``params`` (through a temporary Hugging Face
+    export), float32, eval mode, with no EOS (the workloads generate fixed lengths)."""
+    with tempfile.TemporaryDirectory() as d:
+        save_hf(d, cfg, params)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model.eval()
 
 
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -84,18 +95,14 @@ class TorchRLStep:
         transformers.utils.logging.disable_progress_bar()
         torch.manual_seed(0)
         self.workload, self.samples, self.new_tokens = workload, samples, new_tokens
-        with tempfile.TemporaryDirectory() as d:
-            save_hf(d, cfg, params)
-            load = transformers.AutoModelForCausalLM.from_pretrained
-            self.policy = load(d, dtype=torch.float32)
-            self.reference = load(d, dtype=torch.float32).eval().requires_grad_(False)
-            hf_config = transformers.AutoConfig.from_pretrained(d)
+        self.policy = hf_causal_lm(cfg, params)
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        hf_config = copy.deepcopy(self.policy.config)
         # The reward model scores each row's last token that is not padding; sequences are
         # fixed-length, so which id stands for padding only matters where a row happens to
         # end with it (the score is then read one token earlier: the same cost).
         hf_config.pad_token_id = 0
         hf_config.num_labels = 1
-        self.policy.generation_config.eos_token_id = None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=LR)
         if workload == "R2":
             self.critic = transformers.LlamaForTokenClassification(hf_config)
