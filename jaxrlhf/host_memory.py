@@ -16,9 +16,14 @@ per call, ~25% of its wall time (benchmarks/forward_backward.py, benchmarks/RESU
   at the top of the heap kept up to 2 GiB (``M_TRIM_THRESHOLD``), so the next step reuses it.
 
 Measured on the same forward+backward: 408 faults, 4 ms of kernel time, 1,300 -> 993 ms;
-compile time unchanged. The costs: the process keeps up to 2 GiB of freed memory mapped
-(beyond that it is returned), and Python waits for each computation it dispatches (on a CPU
-the host and the computation share the cores anyway). It is for the CPU backend only: on
+compile time unchanged. Not every step: now and then a small allocation made between two
+steps takes a piece of the freed buffer, the next step's no longer fits there, and the heap
+grows by one buffer that is faulted in fresh (in a small test program, 0-3 of 14 steps, most
+often among the first few; tests/test_host_memory.py).
+
+The costs: the process keeps up to 2 GiB of freed memory mapped (beyond that it is
+returned), and Python waits for each computation it dispatches (on a CPU the host and the
+computation share the cores anyway). It is for the CPU backend only: on
 GPU/TPU the host does not hold the step's buffers. ``python -m jaxrlhf.train`` applies it when
 the run is on CPU; ``JAXRLHF_HOST_MEMORY=system`` keeps glibc's and JAX's defaults.
 """

@@ -2,12 +2,15 @@
 
 The settings are process-wide and must precede JAX's backend, so the real check runs in a
 fresh process: there a jitted program with four 32 MiB float32 intermediates live at once (a
-temporary buffer of at least 128 MiB) runs 6 times, and each of the last 3 runs must
-page-fault in fewer than a quarter of those pages. (The first runs may still fault while the
-heap grows to its working size: measured 0-33,800 faults in runs 2-3, then <= 1,026.) Without
-the settings glibc maps the buffer fresh on every run (checked too: every one of the last 3
-runs faults in more than half of the pages; measured 32,769-33,799 each). Faults are counted
-by the kernel (``getrusage``), not timed, so the check does not depend on machine speed.
+temporary buffer of at least 128 MiB) runs 16 times, and most of the last 12 runs (at least
+8) must page-fault in fewer than a quarter of those pages. Not all: now and then a small
+allocation made between two runs takes a piece of the freed buffer, which then no longer
+fits the next run's, and the heap grows by one buffer that is faulted in fresh (measured in
+20 processes of 12-14 runs, two at a time: 0-3 such runs after the first, most often in runs
+2-4, at most 2 in runs 5-14; a CI run with 6 runs saw 2 in runs 3-4). Without the settings
+glibc maps the buffer fresh on every run (checked too: every one of the last 12 runs faults
+in more than half of the pages; measured 32,769-33,799 each). Faults are counted by the kernel
+(``getrusage``), not timed, so the check does not depend on machine speed.
 """
 
 import json
@@ -35,7 +38,7 @@ def step(x):  # intermediates of 32 MiB each, live together: a temp buffer of >=
 
 x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 1024, 256)), jnp.float32)
 outputs, faults = [], []
-for _ in range(6):
+for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     outputs.append(np.asarray(step(x)))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -63,7 +66,7 @@ def _run(mode: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
-def test_second_step_reuses_its_temporary_buffer():
+def test_later_steps_reuse_their_temporary_buffer():
     pages = 128 * 2**20 // 4096
     with_reuse = _run("reuse")
     if with_reuse["reason"] == "no mallopt (not glibc)":
@@ -71,10 +74,11 @@ def test_second_step_reuses_its_temporary_buffer():
     assert with_reuse["reason"] is None
     assert with_reuse["async"] is False
     assert with_reuse["same"]
-    assert max(with_reuse["faults"][-3:]) < pages // 4, with_reuse
+    refaulted = [f for f in with_reuse["faults"][-12:] if f >= pages // 4]
+    assert len(refaulted) <= 4, with_reuse
     # The reference: the same program with glibc's and JAX's defaults faults it all in again.
     default = _run("default")
-    assert min(default["faults"][-3:]) > pages // 2, default
+    assert min(default["faults"][-12:]) > pages // 2, default
 
 
 def test_not_applied_once_a_backend_exists_or_when_opted_out(monkeypatch):
