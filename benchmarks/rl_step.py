@@ -19,6 +19,13 @@ its iterations alternating with jaxrlhf's, so the ratio (PyTorch seconds / jaxrl
 median of the per-iteration ratios) holds whatever the machine; ``--skip-pytorch`` leaves it
 out. The issue's targets (R1 <= 0.95 s, R2 <= 1.4 s on the first benchmark VM) were about
 half of the PyTorch stacks' time there: a ratio of 2.
+
+``--cpu-devices 2`` splits the host into two JAX CPU devices and runs each workload twice:
+placement ``one`` (everything on device 0, the second idle) and ``split`` (training on
+device 0, the sampler on a data-parallel mesh over both; see docs/sharding.md,
+"Placement")::
+
+    python benchmarks/rl_step.py --cpu-devices 2
 """
 
 from __future__ import annotations
@@ -41,10 +48,16 @@ from jaxrlhf.config import load_config  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
 from jaxrlhf.models.hf_checkpoint import save_hf  # noqa: E402
+from jaxrlhf.sharding.placement import set_cpu_devices  # noqa: E402
 from jaxrlhf.train.rl_loop import PHASES  # noqa: E402
 from jaxrlhf.train.rl_trainer import build_rl_trainer  # noqa: E402
 
 MODELS = {"bench-s": "bench_s", "bench-m": "bench_m"}
+PLACEMENTS = {
+    "all": {},  # every phase on the whole mesh (one device unless --cpu-devices)
+    "one": {"train_devices": 1},  # every phase on device 0
+    "split": {"train_devices": 1, "generate_mesh": {"data": -1, "fsdp": 1, "tensor": 1}},
+}
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 4, 64, 64
 
 
@@ -64,7 +77,7 @@ class RandomPrompts:
         return {"tokens": tokens, "mask": np.ones_like(tokens, bool)}
 
 
-def _config(workload: str, preset: str, rm_dir: str | None, out: str):
+def _config(workload: str, preset: str, rm_dir: str | None, out: str, placement: str = "all"):
     algo = "grpo" if workload == "R1" else "ppo"
     section = {
         "rollout": {
@@ -97,6 +110,7 @@ def _config(workload: str, preset: str, rm_dir: str | None, out: str):
             "eval_size": 0,
         },
         "mesh": {"data": 1, "fsdp": -1, "tensor": 1},
+        "placement": PLACEMENTS[placement],
         "optimizer": {"lr": 1e-6, "schedule": "constant"},
         "train": {"steps": 1},
         algo: section,
@@ -107,7 +121,9 @@ def _config(workload: str, preset: str, rm_dir: str | None, out: str):
     return load_config(path, [])
 
 
-def run(workload: str, model: str, steps: int, tmp: str, pytorch: bool) -> dict[str, float]:
+def run(
+    workload: str, model: str, steps: int, tmp: str, pytorch: bool, placement: str = "all"
+) -> dict[str, float]:
     preset = MODELS[model]
     rm_dir = None
     if workload == "R2":
@@ -117,7 +133,7 @@ def run(workload: str, model: str, steps: int, tmp: str, pytorch: bool) -> dict[
             save_hf(
                 rm_dir, cfg, model_lib.init_params(cfg, jax.random.key(1), "scalar"), head="scalar"
             )
-    trainer = build_rl_trainer(_config(workload, preset, rm_dir, tmp))
+    trainer = build_rl_trainer(_config(workload, preset, rm_dir, tmp, placement))
     trainer.prompts = RandomPrompts(trainer.model_cfg.vocab_size)
     trainer.task_fn = None  # the built-in task reward does not apply to random prompts
     start = time.perf_counter()
@@ -173,7 +189,17 @@ def main() -> None:
     parser.add_argument(
         "--skip-pytorch", action="store_true", help="leave out the PyTorch + transformers run"
     )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=1,
+        help="JAX CPU devices to split the host into (placement.cpu_devices); with 2 or more, "
+        "each workload runs with placements 'one' and 'split'",
+    )
     args = parser.parse_args()
+    if args.cpu_devices > 1:
+        set_cpu_devices(args.cpu_devices)  # before JAX starts, as the CLI does
+    placements = ["all"] if args.cpu_devices == 1 else ["one", "split"]
     host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
     cpu = platform.processor() or platform.machine()
     try:
@@ -189,6 +215,7 @@ def main() -> None:
     header = (
         "workload",
         "model",
+        "placement",
         "s/step",
         *PHASES,
         "gen tok/s",
@@ -203,23 +230,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             for workload in args.workloads:
-                r = run(workload, model, args.steps, tmp, not args.skip_pytorch)
-                cells = [
-                    workload,
-                    model,
-                    f"{r['step_s']:.3f}",
-                    *(f"{r[p]:.3f}" for p in PHASES),
-                    f"{r['generate_tok_s']:.0f}",
-                    f"{r['compile_s']:.1f}",
-                    f"{r['cpu_s']:.3f}",
-                    f"{r['load']:.1f}",
-                    "-"
-                    if "ratio" not in r
-                    else f"{r['torch_total']:.3f} ({r['torch_generate']:.3f} / "
-                    f"{r['torch_score']:.3f} / {r['torch_train']:.3f})",
-                    "-" if "ratio" not in r else f"{r['ratio']:.2f}x",
-                ]
-                print("| " + " | ".join(cells) + " |", flush=True)
+                for placement in placements:
+                    r = run(workload, model, args.steps, tmp, not args.skip_pytorch, placement)
+                    print(
+                        "| " + " | ".join(_cells(r, workload, model, placement)) + " |", flush=True
+                    )
+
+
+def _cells(r: dict[str, float], workload: str, model: str, placement: str) -> list[str]:
+    return [
+        workload,
+        model,
+        placement,
+        f"{r['step_s']:.3f}",
+        *(f"{r[p]:.3f}" for p in PHASES),
+        f"{r['generate_tok_s']:.0f}",
+        f"{r['compile_s']:.1f}",
+        f"{r['cpu_s']:.3f}",
+        f"{r['load']:.1f}",
+        "-"
+        if "ratio" not in r
+        else f"{r['torch_total']:.3f} ({r['torch_generate']:.3f} / "
+        f"{r['torch_score']:.3f} / {r['torch_train']:.3f})",
+        "-" if "ratio" not in r else f"{r['ratio']:.2f}x",
+    ]
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ YAML layout (every section optional except ``algorithm``)::
     tokenizer: {path: builtin}
     data: {train: builtin:sort, max_length: 32, max_prompt_length: 16}
     mesh: {data: -1, fsdp: 1, tensor: 1}
+    placement: {cpu_devices: 2, train_devices: 1, generate_mesh: {data: -1}}  # optional
     optimizer: {lr: 1.0e-3, warmup_steps: 10}
     train: {steps: 200, batch_size: 32}
     logging: {progress: auto}
@@ -46,6 +47,7 @@ from jaxrlhf.data.tasks import BUILTIN_TASKS
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, resolve_mesh_shape
+from jaxrlhf.sharding.placement import PlacementConfig, generate_shards, train_device_count
 from jaxrlhf.train.config import CheckpointConfig, LoggingConfig, TrainConfig
 from jaxrlhf.train.dpo import DPOConfig
 from jaxrlhf.train.optim import OptimizerConfig
@@ -123,6 +125,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -192,6 +195,9 @@ def _coerce(value: Any, tp: Any, path: str, ctx: _Context) -> Any:
             if type(None) in args:
                 return None
             ctx.fail(path, f"expected {_type_name(tp)}, got null")
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, Mapping) and len(sections) == 1:  # its own error, not "expected"
+            return _build(sections[0], value, path, ctx)
         for arg in args:
             if arg is type(None):
                 continue
@@ -361,7 +367,8 @@ def from_dict(
       data: the mapping (sections as nested mappings).
       source: the file name used in error messages.
       override_paths: fields set on the command line (their errors name ``command line``).
-      device_count: devices the mesh must match; None: ``jax.device_count()``.
+      device_count: devices the training mesh must match; None: ``jax.device_count()``, or
+        its first ``placement.train_devices``.
 
     Raises:
       ConfigError: unknown keys, wrong types, invalid values or inconsistent sections.
@@ -381,6 +388,17 @@ def load_config(
     path: str, overrides: Iterable[str] = (), *, device_count: int | None = None
 ) -> RunConfig:
     """Reads ``path`` (YAML), applies ``overrides`` and validates (see :func:`from_dict`)."""
+    data, paths = read_config(path, overrides)
+    return from_dict(data, source=path, override_paths=paths, device_count=device_count)
+
+
+def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """``path``'s YAML mapping with ``overrides`` applied, not yet typed or validated (what
+    must be read before JAX starts); and the overridden field paths.
+
+    Raises:
+      ConfigError: the file is missing or not a YAML mapping, or an override is malformed.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -395,8 +413,31 @@ def load_config(
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    data, paths = apply_overrides(data, overrides)
-    return from_dict(data, source=path, override_paths=paths, device_count=device_count)
+    return apply_overrides(data, overrides)
+
+
+def _validate_generate_mesh(cfg: RunConfig, ctx: _Context) -> None:
+    """``placement.generate_mesh``: RL only; fits the devices; splits the prompts evenly."""
+    if cfg.placement.generate_mesh is None:
+        return
+    if cfg.algorithm not in RL_ALGORITHMS:
+        ctx.fail(
+            "placement.generate_mesh",
+            f"only ppo and grpo sample; {cfg.algorithm} has no generation phase",
+        )
+    import jax
+
+    try:
+        shards = generate_shards(cfg.placement, jax.device_count())
+    except MeshError as e:
+        ctx.fail("placement.generate_mesh", str(e))
+    prompts = getattr(cfg, cfg.algorithm).rollout.prompts_per_step
+    if prompts % shards:
+        ctx.fail(
+            "placement.generate_mesh",
+            f"its {shards} data shard(s) (data x fsdp) do not divide "
+            f"{cfg.algorithm}.rollout.prompts_per_step = {prompts}",
+        )
 
 
 def data_shards(cfg: RunConfig, device_count: int) -> int:
@@ -444,11 +485,15 @@ def validate(
     if device_count is None:
         import jax
 
-        device_count = jax.device_count()
+        try:
+            device_count = train_device_count(cfg.placement, jax.device_count())
+        except MeshError as e:
+            ctx.fail("placement.train_devices", str(e))
     try:
         shards = data_shards(cfg, device_count)
     except MeshError as e:
         ctx.fail("mesh", str(e))
+    _validate_generate_mesh(cfg, ctx)
     t = cfg.train
     if cfg.algorithm in ("ppo", "grpo"):
         # RL batches are rollouts: their sizes are checked against the mesh when the

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from jaxrlhf.config import ConfigError, describe_fields, load_config
+from jaxrlhf.config import ConfigError, describe_fields, load_config, read_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +72,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("command line: --device-memory and --device-kind need --dry-run")
         from jaxrlhf import host_memory
         from jaxrlhf.sharding.distributed import initialize_from_env
+        from jaxrlhf.sharding.placement import PlacementConfig, check_cpu_devices, set_cpu_devices
 
+        stages = pipeline_stages(args.config) or [args.config]
+        overrides = [*args.set, *args.overrides]
+        cpu_devices = requested_cpu_devices(stages, overrides)
+        if cpu_devices is not None:  # before the backend starts, like the host memory settings
+            set_cpu_devices(cpu_devices)
         not_applied = host_memory.reuse_freed_host_memory()  # before the backend starts
         if not_applied:
             logging.getLogger("jaxrlhf").debug("host memory defaults kept: %s", not_applied)
         initialize_from_env()  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
-        stages = pipeline_stages(args.config) or [args.config]
+        check_cpu_devices(PlacementConfig(cpu_devices=cpu_devices))  # before sizes are checked
         for i, path in enumerate(stages):
             if len(stages) > 1:
                 print(f"== stage {i + 1}/{len(stages)}: {path}", flush=True)
@@ -105,6 +111,30 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return e.exit_code
     return 0
+
+
+def requested_cpu_devices(stages: list[str], overrides: list[str]) -> int | None:
+    """``placement.cpu_devices`` of the run's configs, read before JAX starts (it fixes the
+    CPU device count then); None when no stage sets it. A value that is not a positive int is
+    left for the config's own validation to report.
+
+    Raises:
+      ConfigError: stages of one pipeline ask for different counts.
+    """
+    asked: dict[str, int] = {}
+    for path in stages:
+        data, _ = read_config(path, overrides)
+        placement = data.get("placement")
+        value = placement.get("cpu_devices") if isinstance(placement, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            asked[path] = value
+    if len(set(asked.values())) > 1:
+        listed = ", ".join(f"{p}: {v}" for p, v in asked.items())
+        raise ConfigError(
+            f"placement.cpu_devices differs between pipeline stages ({listed}); one process "
+            "has one CPU device count, fixed when JAX starts"
+        )
+    return next(iter(asked.values()), None)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,16 @@ def plan(
       ConfigError, MeshError, ShardingRuleError: one-line user errors.
     """
     start = time.perf_counter()
+    placed = [
+        name
+        for name, default in (("train_devices", -1), ("generate_mesh", None))
+        if getattr(cfg.placement, name) != default
+    ]
+    if placed:  # memory per device would differ between devices: not modelled yet
+        raise ConfigError(
+            f"{source}: placement.{placed[0]}: the dry run plans every phase on the one `mesh` "
+            "and does not model per-phase placement yet; plan without it"
+        )
     if mesh is None:
         devices = jax.devices("cpu")
         needed = mesh_devices(cfg.mesh) or len(devices)

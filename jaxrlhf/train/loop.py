@@ -35,8 +35,9 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params, save_hf
 from jaxrlhf.models.hf_config import load_hf_config
-from jaxrlhf.sharding import make_mesh, rules_for
+from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
+from jaxrlhf.sharding.placement import train_mesh
 from jaxrlhf.train import dpo, reward_model, sft, steps
 from jaxrlhf.train.checkpointing import (
     RunCheckpointer,
@@ -244,7 +245,8 @@ def build_trainer(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<c
 
     Args:
       cfg: the run config.
-      mesh: the device mesh (default: ``make_mesh(cfg.mesh)`` over all devices).
+      mesh: the device mesh (default: ``cfg.mesh`` over all devices, or over the first
+        ``placement.train_devices``).
       source: the config's file name, for error messages.
 
     Raises:
@@ -255,7 +257,7 @@ def build_trainer(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<c
     model_cfg = _model_config(cfg, model_cfg, tokenizer)
     objective = TRAINERS[cfg.algorithm](getattr(cfg, cfg.algorithm))
     train_data, eval_data = load_datasets(objective.data_kind, cfg.data, tokenizer, cfg.tokenizer)
-    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    mesh = train_mesh(cfg.mesh, cfg.placement) if mesh is None else mesh
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     num_micro = num_micro_batches(cfg, shards)
     rules = rules_for(objective.role, "train")

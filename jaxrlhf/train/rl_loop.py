@@ -142,11 +142,13 @@ def run_rl(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<config>"
         dump_config(cfg, os.path.join(run_dir, CONFIG_FILE), header=f"resolved from {source}")
     log = MetricsLogger(run_dir, cfg.logging, to_dict(cfg), enabled=main, history=history)
     progress = Progress(cfg.logging.progress, cfg.train.steps, cfg.algorithm, enabled=main)
+    sampler_mesh = trainer.sampler.mesh
     logger.info(
-        "%s: %s policy parameters, mesh %s, %d rollout rows per iteration",
+        "%s: %s policy parameters, mesh %s%s, %d rollout rows per iteration",
         cfg.algorithm,
         f"{model_lib.param_count(trainer.policy.state.params):,}",
         dict(trainer.mesh.shape),
+        "" if sampler_mesh is trainer.mesh else f" (sampler: {dict(sampler_mesh.shape)})",
         trainer.algo.rollout.rows,
     )
     steps = cfg.train.steps

@@ -36,9 +36,10 @@ from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params
 from jaxrlhf.models.hf_config import load_hf_config
-from jaxrlhf.sharding import make_mesh, rules_for
+from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import to_host
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
+from jaxrlhf.sharding.placement import generate_mesh, train_mesh
 from jaxrlhf.train import rl_steps, steps
 from jaxrlhf.train.loop import _init_params, _model_config, _put
 from jaxrlhf.train.optim import OptimizerConfig, make_optimizer
@@ -484,7 +485,7 @@ def build_rl_trainer(
     """
     algo = _algo(cfg)
     model_cfg = validate(cfg, source=source, device_count=None if mesh is None else mesh.size)
-    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    mesh = train_mesh(cfg.mesh, cfg.placement) if mesh is None else mesh
     num_micro = _check_sizes(cfg, algo, mesh, source)
     score_micro = score_micro_batches(cfg, algo, mesh, source)
     groups = shared_group_sizes(cfg, algo, mesh, num_micro, source, score_micro)
@@ -577,7 +578,7 @@ def build_rl_trainer(
         )
     del value_key
 
-    sampler = Sampler(model_cfg, mesh)
+    sampler = Sampler(model_cfg, generate_mesh(cfg.placement, mesh))
     stop = (tokenizer.eos_id,) if algo.rollout.stop_at_eos and tokenizer.eos_id is not None else ()
     sampling = SamplingParams(
         temperature=algo.rollout.temperature,

@@ -56,3 +56,79 @@ def test_cli_data_error_is_one_line(tmp_path, capsys):
         f"error: {bad}:2: malformed JSON line (Expecting property name enclosed in double"
         " quotes at column 2)\n"
     )
+
+
+_TINY_GRPO = """\
+algorithm: grpo
+model: {preset: tiny}
+tokenizer: {path: builtin}
+data: {train: "builtin:sort", eval_size: 0, max_length: 32, max_prompt_length: 16, builtin_size: 64}
+train: {steps: 2, log_every: 1}
+logging: {progress: plain}
+checkpoint: {export_hf: false}
+grpo:
+  rollout: {prompts_per_step: 4, num_samples: 2, max_new_tokens: 6}
+  reward: {function: builtin}
+"""
+_PLACED = [
+    "placement.cpu_devices=2",
+    "placement.train_devices=1",
+    "placement.generate_mesh={data: -1, fsdp: 1}",
+]
+
+
+@pytest.mark.slow
+def test_cli_sets_cpu_devices_before_jax_starts(tmp_path):
+    """A fresh process (JAX's default: one CPU device): the CLI asks JAX for the config's two
+    CPU devices, trains on the first and samples on both."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "grpo.yaml"
+    config.write_text(_TINY_GRPO)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", str(config)]
+    out = subprocess.run(
+        [*cmd, f"output_dir={tmp_path / 'run'}", *_PLACED],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    log = out.stdout + out.stderr
+    assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 1} (sampler: {'data': 2, 'fsdp': 1," in log
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    # Each iteration copies the policy from device 0 to device 1: 26,784 float32 parameters.
+    assert [r["reshard/bytes_moved"] for r in rows if "reshard/bytes_moved" in r] == [107136.0] * 2
+
+
+def test_cli_cpu_devices_after_jax_started_is_one_line(tmp_path, capsys):
+    import jax
+
+    assert jax.device_count() == 8  # this test process has started JAX (conftest: 8 devices)
+    config = tmp_path / "grpo.yaml"
+    config.write_text(_TINY_GRPO)
+    rc = main(["--config", str(config), f"output_dir={tmp_path / 'run'}", *_PLACED])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: placement.cpu_devices: 2 asked, but JAX started with 8 CPU")
+    assert err.count("\n") == 1
+
+
+def test_pipeline_stages_must_agree_on_cpu_devices(tmp_path):
+    from jaxrlhf.config import ConfigError
+    from jaxrlhf.train.__main__ import requested_cpu_devices
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("algorithm: sft\nplacement: {cpu_devices: 2}\n")
+    b.write_text("algorithm: grpo\n")
+    assert requested_cpu_devices([str(a), str(b)], []) == 2
+    assert requested_cpu_devices([str(b)], []) is None
+    assert requested_cpu_devices([str(b)], ["placement.cpu_devices=4"]) == 4
+    b.write_text("algorithm: grpo\nplacement: {cpu_devices: 3}\n")
+    with pytest.raises(ConfigError, match=r"differs between pipeline stages \(.*a.yaml: 2, .*b"):
+        requested_cpu_devices([str(a), str(b)], [])

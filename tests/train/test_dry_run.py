@@ -230,6 +230,14 @@ def test_cli_does_not_fit_exits_1(capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "does not fit" in err
 
 
+def test_cli_placement_is_refused_in_one_line(capsys):
+    path = os.path.join(helpers.CONFIGS, "tiny_sft.yaml")
+    code = main(["--config", path, "--dry-run", "placement.train_devices=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "placement.train_devices: the dry run plans every phase on the one `mesh`" in err
+
+
 def test_cli_program_that_does_not_compile_exits_1(tmp_path, capsys, monkeypatch):
     """A phase whose program fails to trace or compile: one line names the program and the
     reason, exit 1 (here the RL update is replaced by one that raises)."""

@@ -240,6 +240,63 @@ def test_sharded_iteration_equals_single_device(fast_compile, tmp_path):
     )
 
 
+def test_sampler_on_its_own_mesh_equals_one_mesh(fast_compile, tmp_path):
+    """placement: train on device 0, sample on all 8 devices (4-way data x 2-way tensor); the
+    same samples and the same updates as everything on device 0 (the update is the same
+    program on the same device, so exactly equal; the sampler's log-probs differ by float
+    reduction order across the tensor split only, 1e-5)."""
+    out = {}
+    for name, overrides in (
+        ("one", []),
+        (
+            "placed",
+            ["placement.train_devices=1", "placement.generate_mesh={data: 4, fsdp: 1, tensor: 2}"],
+        ),
+    ):
+        cfg, src = _config(tmp_path, "grpo", "grpo.loss.kl_coef=0.1", *overrides)
+        mesh = _one_device_mesh() if name == "one" else None  # placed: from the config
+        trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
+        assert trainer.mesh.devices.flat[0] == jax.devices()[0] and trainer.mesh.size == 1
+        assert trainer.sampler.mesh.size == (8 if name == "placed" else 1)
+        rollouts, metrics = [], []
+        for _ in range(2):
+            key = jax.random.fold_in(trainer.key, trainer.iteration)
+            rollouts.append(trainer.rollout(jax.random.split(key)[0])[0])
+            metrics.append(trainer.step())
+        out[name] = (rollouts, metrics, jax.device_get(trainer.policy.state.params))
+    for a, b in zip(out["one"][0], out["placed"][0], strict=True):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+        np.testing.assert_allclose(a["sampler_logprobs"], b["sampler_logprobs"], atol=1e-5)
+    for a, b in zip(out["one"][1], out["placed"][1], strict=True):
+        assert a["reshard/bytes_moved"] == 0  # the sampler reads the training layout
+        assert b["reshard/bytes_moved"] > 0  # device 0's params copied to the sampler's mesh
+        assert a["kl/seq_mean"] == b["kl/seq_mean"] and a["reward/mean"] == b["reward/mean"]
+    jax.tree.map(np.testing.assert_array_equal, out["one"][2], out["placed"][2])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["placement.train_devices=9"], "placement.train_devices: 9 exceeds the 8 device(s)"),
+        (["placement.generate_mesh={data: 3, fsdp: 1}"], "placement.generate_mesh: mesh data=3"),
+        (
+            ["placement.generate_mesh={data: 8, fsdp: 1}"],
+            "its 8 data shard(s) (data x fsdp) do not divide grpo.rollout.prompts_per_step = 4",
+        ),
+        (["placement.cpu_devices=2"], "placement.cpu_devices: 2 asked, but JAX started with 8"),
+        (["placement.generate_mesh={data: -1}"], "placement.generate_mesh: at most one mesh axis"),
+    ],
+)
+def test_placement_errors_name_the_field(tmp_path, overrides, message):
+    from jaxrlhf.sharding import MeshError
+
+    with pytest.raises((ConfigError, MeshError)) as e:
+        cfg, src = _config(tmp_path, "grpo", *overrides)
+        build_rl_trainer(cfg, source=src)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_grpo_short_run_improves_task_reward(tmp_path):
     """From random weights, GRPO learns to answer with digits: the mean reward of the last 10
