@@ -19,6 +19,10 @@ matmuls, measured in the same run): no implementation can be faster on this CPU 
 skipping work.
 
     python benchmarks/generate.py --models bench-s bench-m --reps 5
+
+``--cpu-devices 2`` splits the host into two JAX CPU devices and runs the sampler on a
+data-parallel mesh over them (16 rows each): the ``placement.generate_mesh`` of
+docs/sharding.md, "Placement".
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from jaxrlhf import host_memory  # noqa: E402
 from jaxrlhf.generation import Sampler, SamplingParams  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
+from jaxrlhf.sharding import MeshConfig, make_mesh  # noqa: E402
+from jaxrlhf.sharding.placement import set_cpu_devices  # noqa: E402
 
 MODELS = {"bench-s": ModelConfig.bench_s, "bench-m": ModelConfig.bench_m}
 BATCH, PROMPT, NEW = 32, 64, 128
@@ -218,7 +224,11 @@ def bench_model(name: str, args) -> Result:
     tokens = rng.integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     mask = np.ones((BATCH, PROMPT), bool)
     sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW)
-    sampler = Sampler(cfg)
+    if args.cpu_devices > 1:
+        sampler = Sampler(cfg, make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)))
+        params, _ = sampler.to_generate_layout(params)
+    else:
+        sampler = Sampler(cfg)
     tokens_j, mask_j = jnp.asarray(tokens), jnp.asarray(mask)
 
     t = time.perf_counter()
@@ -312,7 +322,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--skip-hf", action="store_true", help="time jaxrlhf only")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=1,
+        help="JAX CPU devices to split the host into; >1 samples on a data-parallel mesh over them",
+    )
     args = parser.parse_args(argv)
+    if args.cpu_devices > 1 and set_cpu_devices(args.cpu_devices) is not None:
+        raise SystemExit("--cpu-devices: JAX has already started")
     host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
 
     import torch
@@ -324,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# machine: {cpu_model()}, {os.cpu_count()} CPUs; jax {jax.__version__}, "
         f"torch {torch.__version__} ({args.threads} threads), transformers "
         f"{transformers.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
-        f"host memory reuse: {host or 'on'}"
+        f"host memory reuse: {host or 'on'}; sampler on {jax.device_count()} CPU device(s)"
     )
     print(f"# cpu pressure at start: {cpu_pressure()}")
     print(f"# workload: {BATCH} prompts x {PROMPT} tokens, {NEW} new tokens, temperature 1.0")

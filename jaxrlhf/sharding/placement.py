@@ -51,7 +51,8 @@ class PlacementConfig:
         ``jax.devices()`` (single-process runs); -1: all of them.
       generate_mesh: PPO/GRPO: the sampler's own mesh over all devices, a mesh section
         (``{data: -1, fsdp: 1, tensor: 1}``); its data shards must divide
-        ``rollout.prompts_per_step``. None: the sampler uses the training mesh.
+        ``rollout.prompts_per_step``. None: the sampler uses the training mesh. Unused by
+        the other algorithms (like the ``ppo``/``grpo`` sections).
     """
 
     cpu_devices: int | None = None
