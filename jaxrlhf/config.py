@@ -360,6 +360,7 @@ def from_dict(
     source: str = "<config>",
     override_paths: Iterable[str] = (),
     device_count: int | None = None,
+    all_devices: int | None = None,
 ) -> RunConfig:
     """A validated RunConfig from a parsed YAML mapping.
 
@@ -369,6 +370,8 @@ def from_dict(
       override_paths: fields set on the command line (their errors name ``command line``).
       device_count: devices the training mesh must match; None: ``jax.device_count()``, or
         its first ``placement.train_devices``.
+      all_devices: devices of the whole run, which ``placement.generate_mesh`` covers;
+        None: ``jax.device_count()``.
 
     Raises:
       ConfigError: unknown keys, wrong types, invalid values or inconsistent sections.
@@ -380,16 +383,28 @@ def from_dict(
     if cfg.output_dir is None:
         stem = os.path.splitext(os.path.basename(source))[0] if source != "<config>" else ""
         cfg = cfg.replace(output_dir=os.path.join("runs", stem or cfg.algorithm))
-    validate(cfg, source=source, override_paths=override_paths, device_count=device_count)
+    validate(
+        cfg,
+        source=source,
+        override_paths=override_paths,
+        device_count=device_count,
+        all_devices=all_devices,
+    )
     return cfg
 
 
 def load_config(
-    path: str, overrides: Iterable[str] = (), *, device_count: int | None = None
+    path: str,
+    overrides: Iterable[str] = (),
+    *,
+    device_count: int | None = None,
+    all_devices: int | None = None,
 ) -> RunConfig:
     """Reads ``path`` (YAML), applies ``overrides`` and validates (see :func:`from_dict`)."""
     data, paths = read_config(path, overrides)
-    return from_dict(data, source=path, override_paths=paths, device_count=device_count)
+    return from_dict(
+        data, source=path, override_paths=paths, device_count=device_count, all_devices=all_devices
+    )
 
 
 def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
@@ -416,16 +431,18 @@ def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any
     return apply_overrides(data, overrides)
 
 
-def _validate_generate_mesh(cfg: RunConfig, ctx: _Context) -> None:
+def _validate_generate_mesh(cfg: RunConfig, ctx: _Context, all_devices: int | None) -> None:
     """``placement.generate_mesh`` fits the devices and splits the prompts evenly. Like the
     ``ppo``/``grpo`` sections, it is unused by the other algorithms (so one override can
     serve every stage of a pipeline)."""
     if cfg.placement.generate_mesh is None or cfg.algorithm not in RL_ALGORITHMS:
         return
-    import jax
+    if all_devices is None:
+        import jax
 
+        all_devices = jax.device_count()
     try:
-        shards = generate_shards(cfg.placement, jax.device_count())
+        shards = generate_shards(cfg.placement, all_devices)
     except MeshError as e:
         ctx.fail("placement.generate_mesh", str(e))
     prompts = getattr(cfg, cfg.algorithm).rollout.prompts_per_step
@@ -449,6 +466,7 @@ def validate(
     source: str = "<config>",
     override_paths: Iterable[str] = (),
     device_count: int | None = None,
+    all_devices: int | None = None,
 ) -> ModelConfig:
     """Cross-section checks, before any device work; returns the resolved ModelConfig.
 
@@ -490,7 +508,7 @@ def validate(
         shards = data_shards(cfg, device_count)
     except MeshError as e:
         ctx.fail("mesh", str(e))
-    _validate_generate_mesh(cfg, ctx)
+    _validate_generate_mesh(cfg, ctx, all_devices)
     t = cfg.train
     if cfg.algorithm in ("ppo", "grpo"):
         # RL batches are rollouts: their sizes are checked against the mesh when the

@@ -29,7 +29,10 @@ Where the numbers come from, and what they are worth:
   ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise). Leave headroom.
 * A mesh needs as many devices as it has; :func:`cli` sets the CPU device count before JAX
   starts, or re-runs itself in a subprocess when this process already started JAX with
-  fewer devices. A ``-1`` (fill) mesh axis fills the devices this process sees.
+  fewer devices. A ``-1`` (fill) mesh axis fills the devices this process sees. With a
+  ``placement``, the training programs compile on the first ``train_devices`` and the
+  sampler's on its own mesh; bytes per device are the busiest device's (the sampler's copy
+  of the policy is counted on every sampler device, an upper bound).
 * Nothing is read but the config: no data, no tokenizer, no weights. A model section must
   therefore name a ``preset`` (or an ``hf_dir`` whose config.json exists); a reward model
   or DPO reference whose checkpoint is absent is planned with the policy's architecture
@@ -61,6 +64,7 @@ from jaxrlhf.config import (
     validate,
 )
 from jaxrlhf.sharding import MeshConfig, MeshError, make_mesh
+from jaxrlhf.sharding.placement import PlacementConfig, train_device_count
 from jaxrlhf.train import dry_run_phases as phases
 from jaxrlhf.train.dry_run_phases import DryRunError, ProgramMemory, RoleMemory
 
@@ -275,27 +279,31 @@ def plan(
       ConfigError, MeshError, ShardingRuleError: one-line user errors.
     """
     start = time.perf_counter()
-    placed = [
-        name
-        for name, default in (("train_devices", -1), ("generate_mesh", None))
-        if getattr(cfg.placement, name) != default
-    ]
-    if placed:  # memory per device would differ between devices: not modelled yet
-        raise ConfigError(
-            f"{source}: placement.{placed[0]}: the dry run plans every phase on the one `mesh` "
-            "and does not model per-phase placement yet; plan without it"
-        )
+    placement = cfg.placement
     if mesh is None:
         devices = jax.devices("cpu")
-        needed = mesh_devices(cfg.mesh) or len(devices)
-        if needed > len(devices):
+        total = run_devices(cfg.mesh, placement) or len(devices)
+        if total > len(devices):
+            what = f"mesh {cfg.mesh.describe()}" if placement == PlacementConfig() else "this run"
             raise MeshError(
-                f"mesh {cfg.mesh.describe()} needs {needed} devices; this process has "
+                f"{what} needs {total} devices; this process has "
                 f"{len(devices)} CPU devices (use jaxrlhf.train.dry_run.cli)"
             )
-        mesh = make_mesh(cfg.mesh, devices=devices[:needed])
-    model_cfg = validate(cfg, source=source, device_count=mesh.size)
-    planner = phases.Planner(cfg, model_cfg, mesh)
+        devices = devices[:total]
+        try:
+            train_count = train_device_count(placement, total)
+        except MeshError as e:
+            raise MeshError(f"placement.train_devices: {e}") from None
+        mesh = make_mesh(cfg.mesh, devices=devices[:train_count])
+    else:
+        devices = list(mesh.devices.flat)
+        if placement.generate_mesh is not None:
+            devices = jax.devices("cpu")
+    gen_mesh = mesh
+    if placement.generate_mesh is not None and cfg.algorithm in RL_ALGORITHMS:
+        gen_mesh = make_mesh(placement.generate_mesh, devices=devices)
+    model_cfg = validate(cfg, source=source, device_count=mesh.size, all_devices=len(devices))
+    planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh)
     if cfg.algorithm in RL_ALGORITHMS:
         shapes = phases.plan_rl(planner, source)
     else:
@@ -303,7 +311,7 @@ def plan(
     device = mesh.devices.flat[0]
     platform = f"XLA:{device.platform.upper()}"
     if device.platform == "cpu":
-        platform += f" on {mesh.size} CPU device(s)"
+        platform += f" on {len(set(devices) | set(mesh.devices.flat))} CPU device(s)"
     return DryRunReport(
         source=source,
         algorithm=cfg.algorithm,
@@ -329,18 +337,46 @@ def mesh_devices(mesh: MeshConfig) -> int | None:
     return None if -1 in sizes else math.prod(sizes)
 
 
-def _configured_mesh(path: str, overrides: Sequence[str]) -> int | None:
-    """Devices the config's mesh asks for, read before JAX starts (None: -1 or unreadable;
-    load_config reports any error properly later)."""
+def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
+    """Devices the whole run needs, or None when a -1 (fill) axis leaves it open: the
+    sampler's own mesh if it has one, else the training mesh (its ``train_devices``)."""
+    if placement.generate_mesh is not None:
+        return mesh_devices(placement.generate_mesh)
+    if placement.train_devices != -1:
+        return placement.train_devices
+    return mesh_devices(mesh)
+
+
+def _configured_devices(path: str, overrides: Sequence[str]) -> tuple[int | None, int]:
+    """Devices the config's run asks for (:func:`run_devices`), read before JAX starts, and
+    its ``placement.train_devices`` (-1: all). None and -1 when unreadable: load_config
+    reports any error properly later."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
         data, _ = apply_overrides(data, overrides)
-        return mesh_devices(MeshConfig(**(data.get("mesh") or {})))
+        raw = dict(data.get("placement") or {})
+        if raw.get("generate_mesh") is not None:
+            raw["generate_mesh"] = MeshConfig(**raw["generate_mesh"])
+        placement = PlacementConfig(**raw)
+        return run_devices(MeshConfig(**(data.get("mesh") or {})), placement), (
+            placement.train_devices
+        )
     except (OSError, yaml.YAMLError, ConfigError, TypeError, ValueError, AttributeError):
-        return None
+        return None, -1
+
+
+def _load(
+    path: str, overrides: Sequence[str], devices: int | None, train_devices: int
+) -> RunConfig:
+    """``load_config`` for a run over ``devices`` devices (None: this process's), the training
+    mesh on the first ``train_devices`` (-1: all)."""
+    if devices is None:
+        return load_config(path, overrides)
+    train = devices if train_devices == -1 else min(train_devices, devices)
+    return load_config(path, overrides, device_count=train, all_devices=devices)
 
 
 def _cpu_devices(n: int | None) -> bool:
@@ -398,7 +434,7 @@ def cli(
             if len(stages) > 1:
                 print(f"== stage {i + 1}/{len(stages)}: {stage}", flush=True)
             stage_overrides = [*overrides, *exports.overrides_for(stage, overrides)]
-            needed = _configured_mesh(stage, stage_overrides)
+            needed, train_devices = _configured_devices(stage, stage_overrides)
             cfg = None
             if not _cpu_devices(needed):
                 if os.environ.get(_CHILD_ENV):
@@ -406,7 +442,7 @@ def cli(
                 status = max(status, _run_child(stage, stage_overrides, flags, needed))
             else:
                 devices = needed or len(jax.devices("cpu"))
-                cfg = load_config(stage, stage_overrides, device_count=devices)
+                cfg = _load(stage, stage_overrides, devices, train_devices)
                 status = max(status, _plan_and_report(cfg, stage, limit, label))
             if i + 1 < len(stages):
                 exports.add(cfg, stage, stage_overrides, needed, i + 1)
@@ -454,7 +490,8 @@ class _PendingExports:
 
         if cfg is None:  # planned in a child process: only its model config is needed here
             try:
-                cfg = load_config(stage, overrides, device_count=needed)
+                devices, train_devices = _configured_devices(stage, overrides)
+                cfg = _load(stage, overrides, needed or devices or 1, train_devices)
             except ConfigError:
                 return  # the child reported it
         if not cfg.checkpoint.export_hf:
@@ -466,7 +503,7 @@ class _PendingExports:
         stand_in = os.path.join(self._root, f"stage{number}")
         os.makedirs(stand_in, exist_ok=True)
         with open(os.path.join(stand_in, "config.json"), "w") as f:
-            json.dump(to_hf_config(validate(cfg, source=stage), head), f)
+            json.dump(to_hf_config(cfg.model.resolve(), head), f)  # validated when loaded
         self._by_path[export] = (stand_in, number, stage)
 
     def overrides_for(self, stage: str, overrides: Sequence[str]) -> list[str]:

@@ -121,8 +121,11 @@ def _one_line(e: BaseException) -> str:
 class Planner:
     """Named abstract trees on the mesh, the roles, and the compiled programs."""
 
-    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> None:
+    def __init__(
+        self, cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, generate_mesh: Mesh | None = None
+    ) -> None:
         self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
+        self.generate_mesh = mesh if generate_mesh is None else generate_mesh
         self.trees: dict[str, tuple[Any, Any]] = {}  # name -> (abstract, shardings)
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []
@@ -383,7 +386,13 @@ def plan_rl(pl: Planner, source: str) -> str:
     )
 
     # -- generate: the sampler reads a generate-layout copy of the policy parameters ---------
-    sampler = Sampler(model_cfg, mesh)
+    sampler = Sampler(model_cfg, pl.generate_mesh)
+    if pl.generate_mesh is not mesh:
+        pl.notes.append(
+            f"sampler on its own mesh {dict(pl.generate_mesh.shape)} (placement.generate_mesh); "
+            "its copy of the policy is counted on each of its devices, the training devices' "
+            "included (an upper bound: jax.device_put may reuse a training buffer there)"
+        )
     abstract, train_sh = pl.trees["policy.params"]
     gen_params = pl.add("policy.generate", abstract, sampler.param_shardings)
     # Leaves whose layout does not change are shared (jax.device_put makes no copy).

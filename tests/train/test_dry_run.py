@@ -31,6 +31,8 @@ from jaxrlhf.config import load_config
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import save_hf
+from jaxrlhf.sharding import MeshConfig
+from jaxrlhf.sharding.placement import PlacementConfig
 from jaxrlhf.train import dry_run
 from jaxrlhf.train.__main__ import main
 from jaxrlhf.train.loop import build_trainer
@@ -230,12 +232,27 @@ def test_cli_does_not_fit_exits_1(capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "does not fit" in err
 
 
-def test_cli_placement_is_refused_in_one_line(capsys):
-    path = os.path.join(helpers.CONFIGS, "tiny_sft.yaml")
-    code = main(["--config", path, "--dry-run", "placement.train_devices=1"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1
-    assert "placement.train_devices: the dry run plans every phase on the one `mesh`" in err
+def test_plan_with_the_sampler_on_its_own_mesh(tmp_path):
+    """placement: train on device 0 (fsdp 1), sample on all 8 devices (data 8). The sampler's
+    programs compile on the 8-device mesh; device 0 holds the training state and the
+    sampler's copy, so each generate program's state exceeds the score program's by it."""
+    cfg = _ppo_config(tmp_path).replace(
+        mesh=MeshConfig(data=1, fsdp=1, tensor=1),
+        placement=PlacementConfig(
+            train_devices=1, generate_mesh=MeshConfig(data=-1, fsdp=1, tensor=1)
+        ),
+    )
+    report = dry_run.plan(cfg)
+    assert report.mesh == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert "on 8 CPU device(s)" in report.platform
+    assert any("sampler on its own mesh {'data': 8," in n for n in report.notes)
+    programs = {p.name: p for p in report.programs}
+    policy = report.roles[0]
+    assert policy.generate_bytes == policy.param_bytes  # replicated either way (1 device)
+    assert programs["decode"].state_bytes == programs["score"].state_bytes + policy.param_bytes
+    assert dry_run.run_devices(cfg.mesh, cfg.placement) is None  # data -1: fills the process
+    fixed = PlacementConfig(train_devices=1, generate_mesh=MeshConfig(data=4, fsdp=1))
+    assert dry_run.run_devices(cfg.mesh, fixed) == 4
 
 
 def test_cli_program_that_does_not_compile_exits_1(tmp_path, capsys, monkeypatch):
@@ -303,8 +320,8 @@ def test_cli_mesh_larger_than_this_process_runs_in_a_child(capsys):
 def test_recipes_load_without_data_or_checkpoints(name):
     """Every recipe validates on its own mesh size; the dry run needs no files."""
     path = os.path.join(RECIPES, name)
-    needed = dry_run._configured_mesh(path, [])
-    cfg = load_config(path, device_count=needed)
+    needed, train_devices = dry_run._configured_devices(path, [])
+    cfg = dry_run._load(path, [], needed, train_devices)
     assert not os.path.exists(cfg.data.train)  # the user's prompt file, not needed here
 
 
