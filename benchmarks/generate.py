@@ -329,8 +329,10 @@ def main(argv: list[str] | None = None) -> None:
         help="JAX CPU devices to split the host into; >1 samples on a data-parallel mesh over them",
     )
     args = parser.parse_args(argv)
+    if args.cpu_devices < 1:
+        parser.error("--cpu-devices must be >= 1")
     if args.cpu_devices > 1 and set_cpu_devices(args.cpu_devices) is not None:
-        raise SystemExit("--cpu-devices: JAX has already started")
+        parser.error("--cpu-devices: JAX has already started")
     host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
 
     import torch

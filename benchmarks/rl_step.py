@@ -197,8 +197,10 @@ def main() -> None:
         "each workload runs with placements 'one' and 'split'",
     )
     args = parser.parse_args()
-    if args.cpu_devices > 1:
-        set_cpu_devices(args.cpu_devices)  # before JAX starts, as the CLI does
+    if args.cpu_devices < 1:
+        parser.error("--cpu-devices must be >= 1")
+    if args.cpu_devices > 1 and set_cpu_devices(args.cpu_devices) is not None:
+        parser.error("--cpu-devices: JAX has already started")  # set before JAX starts
     placements = ["all"] if args.cpu_devices == 1 else ["one", "split"]
     host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
     cpu = platform.processor() or platform.machine()

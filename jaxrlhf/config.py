@@ -15,7 +15,7 @@ YAML layout (every section optional except ``algorithm``)::
     tokenizer: {path: builtin}
     data: {train: builtin:sort, max_length: 32, max_prompt_length: 16}
     mesh: {data: -1, fsdp: 1, tensor: 1}
-    placement: {cpu_devices: 2, train_devices: 1, generate_mesh: {data: -1}}  # optional
+    placement: {cpu_devices: 2, train_devices: 1, generate_mesh: {data: -1, fsdp: 1}}
     optimizer: {lr: 1.0e-3, warmup_steps: 10}
     train: {steps: 200, batch_size: 32}
     logging: {progress: auto}
@@ -47,7 +47,12 @@ from jaxrlhf.data.tasks import BUILTIN_TASKS
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, resolve_mesh_shape
-from jaxrlhf.sharding.placement import PlacementConfig, generate_shards, train_device_count
+from jaxrlhf.sharding.placement import (
+    PlacementConfig,
+    check_cpu_devices,
+    generate_shards,
+    train_device_count,
+)
 from jaxrlhf.train.config import CheckpointConfig, LoggingConfig, TrainConfig
 from jaxrlhf.train.dpo import DPOConfig
 from jaxrlhf.train.optim import OptimizerConfig
@@ -437,6 +442,11 @@ def _validate_generate_mesh(cfg: RunConfig, ctx: _Context, all_devices: int | No
     serve every stage of a pipeline)."""
     if cfg.placement.generate_mesh is None or cfg.algorithm not in RL_ALGORITHMS:
         return
+    if cfg.placement.generate_mesh.axis_type != "auto":
+        ctx.fail(
+            "placement.generate_mesh.axis_type",
+            "the sampler's sharding rules need 'auto' axes (jaxrlhf's rule-based sharding)",
+        )
     if all_devices is None:
         import jax
 
@@ -497,9 +507,17 @@ def validate(
                     f"data.{field}",
                     f"unknown built-in task {task!r} (expected one of {list(BUILTIN_TASKS)})",
                 )
-    if device_count is None:
+    if device_count is None:  # a real run: check the placement against this process's JAX
         import jax
 
+        try:
+            check_cpu_devices(cfg.placement)
+        except MeshError as e:
+            ctx.fail("placement.cpu_devices", str(e).split(": ", 1)[1])
+        if cfg.placement.train_devices not in (-1, jax.device_count()) and (
+            jax.process_count() > 1
+        ):
+            ctx.fail("placement.train_devices", "only single-process runs can use a subset")
         try:
             device_count = train_device_count(cfg.placement, jax.device_count())
         except MeshError as e:
@@ -507,7 +525,10 @@ def validate(
     try:
         shards = data_shards(cfg, device_count)
     except MeshError as e:
-        ctx.fail("mesh", str(e))
+        subset = cfg.placement.train_devices
+        ctx.fail(
+            "mesh", str(e) + (f" (placement.train_devices = {subset})" if subset != -1 else "")
+        )
     _validate_generate_mesh(cfg, ctx, all_devices)
     t = cfg.train
     if cfg.algorithm in ("ppo", "grpo"):

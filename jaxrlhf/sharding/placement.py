@@ -16,8 +16,8 @@ section changes that:
 
 Why: on a CPU the decode loop runs ~60 small operations per token, and XLA:CPU splits each
 over the cores with a synchronisation per operation, so a second core adds little (bench-S
-G1 at batch 32: 1.36 s on one core, 1.0-1.1 s on two). Two CPU devices with half the batch
-each run two independent decode loops, one per core: 0.85-0.89 s. The update is the
+G1 at batch 32: 1.36 s on one core, 1.10-1.14 s on two). Two CPU devices with half the
+batch each run two independent decode loops, one per core: 0.84-0.90 s. The update is the
 opposite: its large matmuls use both cores well inside one device, and on two devices it
 is slower (gradient all-reduce, two sets of buffers). So on a 2-core host::
 
@@ -29,6 +29,7 @@ trains on one device and samples on two (benchmarks/RESULTS.md has the figures).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -89,8 +90,8 @@ def train_mesh(mesh: MeshConfig, placement: PlacementConfig) -> Mesh:
         (each process would need the same leading devices of its own).
     """
     check_cpu_devices(placement)
-    if placement.train_devices == _ALL:
-        return make_mesh(mesh)
+    if placement.train_devices in (_ALL, jax.device_count()):
+        return make_mesh(mesh)  # all devices, in jax.make_mesh's topology-aware order
     if jax.process_count() > 1:
         raise MeshError("placement.train_devices: only single-process runs can use a subset")
     devices = jax.devices()
@@ -99,6 +100,22 @@ def train_mesh(mesh: MeshConfig, placement: PlacementConfig) -> Mesh:
     except MeshError as e:
         raise MeshError(f"placement.train_devices: {e}") from None
     return make_mesh(mesh, devices[:count])
+
+
+def given_mesh(cfg: Any, mesh: Mesh, source: str) -> None:
+    """Checks a training mesh passed in code (``build_trainer(cfg, mesh=...)``, which takes
+    precedence over ``mesh`` and ``placement.train_devices``) against ``cfg.placement``.
+
+    Raises:
+      MeshError: ``train_devices`` names another size, or JAX lacks ``cpu_devices``.
+    """
+    check_cpu_devices(cfg.placement)
+    wanted = cfg.placement.train_devices
+    if wanted not in (_ALL, mesh.size):
+        raise MeshError(
+            f"{source}: placement.train_devices: {wanted}, but the mesh passed in has "
+            f"{mesh.size} device(s)"
+        )
 
 
 def generate_mesh(placement: PlacementConfig, train: Mesh) -> Mesh:

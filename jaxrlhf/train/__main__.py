@@ -134,7 +134,16 @@ def requested_cpu_devices(stages: list[str], overrides: list[str]) -> int | None
             f"placement.cpu_devices differs between pipeline stages ({listed}); one process "
             "has one CPU device count, fixed when JAX starts"
         )
-    return next(iter(asked.values()), None)
+    count = next(iter(asked.values()), None)
+    others = [p for p in stages if p not in asked]
+    if count is not None and others:
+        logging.getLogger("jaxrlhf").info(
+            "placement.cpu_devices: %d applies to every stage (one count per process), also to "
+            "%s, which does not set it",
+            count,
+            ", ".join(others),
+        )
+    return count
 
 
 if __name__ == "__main__":

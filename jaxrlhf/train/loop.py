@@ -37,7 +37,7 @@ from jaxrlhf.models.hf_checkpoint import load_params, save_hf
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
-from jaxrlhf.sharding.placement import train_mesh
+from jaxrlhf.sharding.placement import given_mesh, train_mesh
 from jaxrlhf.train import dpo, reward_model, sft, steps
 from jaxrlhf.train.checkpointing import (
     RunCheckpointer,
@@ -257,7 +257,10 @@ def build_trainer(cfg: RunConfig, *, mesh: Mesh | None = None, source: str = "<c
     model_cfg = _model_config(cfg, model_cfg, tokenizer)
     objective = TRAINERS[cfg.algorithm](getattr(cfg, cfg.algorithm))
     train_data, eval_data = load_datasets(objective.data_kind, cfg.data, tokenizer, cfg.tokenizer)
-    mesh = train_mesh(cfg.mesh, cfg.placement) if mesh is None else mesh
+    if mesh is None:
+        mesh = train_mesh(cfg.mesh, cfg.placement)
+    else:
+        given_mesh(cfg, mesh, source)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     num_micro = num_micro_batches(cfg, shards)
     rules = rules_for(objective.role, "train")

@@ -9,8 +9,10 @@
       - quickstart/ppo.yaml
 
 Each stage is an ordinary run config, loaded and validated only when its turn comes (a later
-stage may read an earlier stage's exported model). Command-line overrides apply to every
-stage. A stage that fails stops the pipeline; finished stages keep their outputs.
+stage may read an earlier stage's exported model); only ``placement.cpu_devices`` is read
+from every stage before the first runs, since it is fixed when JAX starts. Command-line
+overrides apply to every stage. A stage that fails stops the pipeline; finished stages keep
+their outputs.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import to_host
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
-from jaxrlhf.sharding.placement import generate_mesh, train_mesh
+from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
 from jaxrlhf.train import rl_steps, steps
 from jaxrlhf.train.loop import _init_params, _model_config, _put
 from jaxrlhf.train.optim import OptimizerConfig, make_optimizer
@@ -327,8 +327,9 @@ class RLTrainer:
         )
         m["throughput/model_tflops"] = flops / timings["time/iteration_s"] / 1e12
         peak = device_peak_flops(self.mesh.devices.flat[0])
-        if peak:
-            m["throughput/mfu"] = flops / timings["time/iteration_s"] / (peak * self.mesh.size)
+        if peak:  # over every device the phases use (the sampler may have a mesh of its own)
+            devices = {*self.mesh.devices.flat, *self.sampler.mesh.devices.flat}
+            m["throughput/mfu"] = flops / timings["time/iteration_s"] / (peak * len(devices))
         return m
 
 
@@ -485,7 +486,10 @@ def build_rl_trainer(
     """
     algo = _algo(cfg)
     model_cfg = validate(cfg, source=source, device_count=None if mesh is None else mesh.size)
-    mesh = train_mesh(cfg.mesh, cfg.placement) if mesh is None else mesh
+    if mesh is None:
+        mesh = train_mesh(cfg.mesh, cfg.placement)
+    else:
+        given_mesh(cfg, mesh, source)
     num_micro = _check_sizes(cfg, algo, mesh, source)
     score_micro = score_micro_batches(cfg, algo, mesh, source)
     groups = shared_group_sizes(cfg, algo, mesh, num_micro, source, score_micro)

@@ -11,6 +11,7 @@ from jaxrlhf.sharding.placement import (
     check_cpu_devices,
     generate_mesh,
     generate_shards,
+    given_mesh,
     set_cpu_devices,
     train_device_count,
     train_mesh,
@@ -23,6 +24,17 @@ def test_train_mesh_covers_the_first_devices():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1}
     everywhere = train_mesh(MeshConfig(data=1, fsdp=-1), PlacementConfig())
     assert everywhere.size == 8
+    all_eight = train_mesh(MeshConfig(data=1, fsdp=-1), PlacementConfig(train_devices=8))
+    assert list(all_eight.devices.flat) == list(everywhere.devices.flat)  # make_mesh's order
+
+
+def test_a_mesh_passed_in_must_agree_with_train_devices():
+    class Cfg:
+        placement = PlacementConfig(train_devices=2)
+
+    given_mesh(Cfg, train_mesh(MeshConfig(fsdp=-1), Cfg.placement), "x.yaml")
+    with pytest.raises(MeshError, match="x.yaml: placement.train_devices: 2, but the mesh passed"):
+        given_mesh(Cfg, train_mesh(MeshConfig(fsdp=-1), PlacementConfig()), "x.yaml")
 
 
 def test_generate_mesh_is_its_own_or_the_training_mesh():

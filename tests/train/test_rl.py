@@ -285,6 +285,14 @@ def test_sampler_on_its_own_mesh_equals_one_mesh(fast_compile, tmp_path):
         ),
         (["placement.cpu_devices=2"], "placement.cpu_devices: 2 asked, but JAX started with 8"),
         (["placement.generate_mesh={data: -1}"], "placement.generate_mesh: at most one mesh axis"),
+        (
+            ["placement.generate_mesh={data: 4, fsdp: 1, axis_type: explicit}"],
+            "placement.generate_mesh.axis_type: the sampler's sharding rules need 'auto' axes",
+        ),
+        (
+            ["placement.train_devices=3", "mesh.fsdp=2"],
+            "needs 2 devices but 3 are available (placement.train_devices = 3)",
+        ),
     ],
 )
 def test_placement_errors_name_the_field(tmp_path, overrides, message):
