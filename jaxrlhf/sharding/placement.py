@@ -29,12 +29,15 @@ trains on one device and samples on two (benchmarks/RESULTS.md has the figures).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
 
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, make_mesh, resolve_mesh_shape
+
+if TYPE_CHECKING:  # jaxrlhf.config imports this module
+    from jaxrlhf.config import RunConfig
 
 _ALL = -1
 
@@ -102,7 +105,7 @@ def train_mesh(mesh: MeshConfig, placement: PlacementConfig) -> Mesh:
     return make_mesh(mesh, devices[:count])
 
 
-def given_mesh(cfg: Any, mesh: Mesh, source: str) -> None:
+def given_mesh(cfg: RunConfig, mesh: Mesh, source: str) -> None:
     """Checks a training mesh passed in code (``build_trainer(cfg, mesh=...)``, which takes
     precedence over ``mesh`` and ``placement.train_devices``) against ``cfg.placement``.
 
