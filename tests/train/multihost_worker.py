@@ -47,7 +47,7 @@ def config(algorithm: str, run_dir: str) -> RunConfig:
             "builtin_size": 64,
             "eval_size": 0,
         },
-        "optimizer": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0},
+        "optimizer": {"lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "eps": 1e-6},
         "train": {"steps": STEPS, "seed": 0, "log_every": 1},
         "logging": {"progress": "none", "plot": False},
     }
