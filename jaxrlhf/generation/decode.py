@@ -5,13 +5,13 @@ so prompt processing is the training forward pass; only the LM head is applied t
 last real token instead of every position.
 
 Decode runs the same parameters through a loop over layers written for one new token per
-row against the head-major cache of ``generation/cache.py``, with the weights re-laid out
-once per call (``decode_weights``: transposed, and q/k/v and gate/up fused). It reuses the
-model's ``Norm`` module (and ``Mlp`` where gate/up are not fused), its embedding, tied head
-and RoPE, and the parameter names; only the attention block (and the matmuls, for the
-weight layout) is re-expressed, because the model's
-attention reads its ``[L, B, S, K, H]`` cache through a layer scan that copies and
-transposes the cache on every step (see the cache module docstring).
+row against the head-major cache of ``generation/cache.py``, with the weights split per
+layer and q/k/v and gate/up fused once per call (``decode_weights``). It reuses the model's
+``Norm`` module (and ``Mlp`` where gate/up are not fused), its embedding, tied head and
+RoPE, the parameter names and the kernels' ``[in, out]`` layout; only the attention block
+(and the fused matmuls) is re-expressed, because the model's attention reads its
+``[L, B, S, K, H]`` cache through a layer scan that copies and transposes the cache on every
+step (see the cache module docstring).
 tests/generation/test_decode.py checks decode logits against ``models.model.forward`` for
 every family.
 
@@ -91,41 +91,16 @@ def prefill(
     return logits, cache, positions
 
 
-# Layer matmul kernels whose contracted dims come first ([D, N, H], [D, F]) or last
-# ([N, H, D], [F, D]) in the model's layout.
-_CONTRACT_FIRST = ("q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel")
-_CONTRACT_LAST = ("o_kernel", "down_kernel")
-
-
-def _relayout(tree: Params, to_decode: bool) -> Params:
-    def move(path, x):
-        name = path[-1].key
-        if name in _CONTRACT_FIRST:
-            return jnp.moveaxis(x, 0, -1) if to_decode else jnp.moveaxis(x, -1, 0)
-        if name in _CONTRACT_LAST:
-            return jnp.moveaxis(x, -1, 0) if to_decode else jnp.moveaxis(x, 0, -1)
-        return x
-
-    return jax.tree_util.tree_map_with_path(move, tree)
-
-
 def decode_weights(
     params: Params, num_layers: int, shards: int | None | dict[str, int | None] = 1
 ) -> tuple[list[Params], jax.Array | None]:
-    """The weights as the decode loop reads them: one tree per layer, kernels transposed.
+    """The weights as the decode loop reads them: one tree per layer, q/k/v and gate/up fused.
 
-    Called once per decode call, before the token loop. Three things happen:
+    Called once per decode call, before the token loop. Two things happen:
 
     * The stacked ``[L, ...]`` layer params are split into one tree per layer, so the loop
       reads each layer's weights in place (a layer scan inside the loop would dynamic-slice,
       and on CPU copy, every layer's weights on every step).
-    * Every matmul kernel is stored with its contracted dims last (``[N, H, D]`` for
-      ``q_kernel``, ``[F, D]`` for ``up_kernel``, ``[V, D]`` for ``lm_head``...). Decode
-      multiplies a few rows (M = R) by each kernel, and XLA's CPU matmul for that shape is
-      ~1.5x faster with the kernel in this layout (measured on the benchmark machine:
-      bench-M MLP chain at M = 32, 65-72 vs 98-110 GFLOP/s). Where the loop body uses the
-      model's own modules it transposes back (``model_layout``), and XLA folds those
-      transposes into the matmuls.
     * With ``shards`` set, the q/k/v kernels become one ``qkv_kernel`` and gate/up one
       ``gate_up_kernel`` (biases alike), so each layer runs two wide matmuls where it ran
       five narrow ones: 8-10% of a bench-S generate call at M = 32 (see
@@ -137,19 +112,24 @@ def decode_weights(
       unevenly). A dict ``{"attn": ..., "mlp": ...}`` decides per block (see
       :func:`fused_shards`).
 
+    Every kernel keeps the model's ``[in, out]`` layout (``[D, N, H]`` for ``q_kernel``,
+    ``[F, D]`` for ``down_kernel``, ``[D, V]`` for ``lm_head``). Until 2026-11-24 the loop
+    stored them transposed (contracted dims last), which an Intel VM's matmuls of a few rows
+    preferred; on an AMD EPYC Zen 4 VM the ``[in, out]`` layout made a bench-S G1 call 10%
+    faster on two CPU devices (bench-M 20%), and it saves a copy of every kernel per call
+    (benchmarks/RESULTS.md).
+
     Returns:
-      ``(layers, lm_head)``: per-layer param trees in decode layout, and the untied LM head
-      ``[V, D]`` (None for tied embeddings).
+      ``(layers, lm_head)``: per-layer param trees (fused kernels ``[D, shards, rows]``), and
+      the untied LM head ``[D, V]`` (None for tied embeddings).
     """
     stacked = params["decoder"]["layers"]
-    layers = [
-        _relayout(jax.tree.map(lambda x, i=i: x[i], stacked), True) for i in range(num_layers)
-    ]
+    layers = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
     by_block = shards if isinstance(shards, dict) else dict.fromkeys(_FUSED, shards)
     layers = [_fuse(layer, by_block) for layer in layers]
     head = params.get("lm_head")
-    head = None if head is None else jnp.moveaxis(head, 0, -1)
-    # Without the barrier XLA cancels these transposes against the ones in the loop body.
+    # The barrier makes the per-layer slices and fused kernels arrays of their own, built
+    # once before the token loop, whatever XLA would otherwise fold into the loop's operands.
     return jax.lax.optimization_barrier((layers, head))
 
 
@@ -157,9 +137,9 @@ _FUSED = {"attn": ("qkv", ("q", "k", "v")), "mlp": ("gate_up", ("gate", "up"))}
 
 
 def _fuse(layer: Params, shards: dict[str, int | None]) -> Params:
-    """One decode-layout layer with q/k/v and gate/up kernels (and biases) interleaved per
-    shard into ``qkv_*`` / ``gate_up_*``: kernels ``[shards, rows, D]`` (a ``[N, H, D]``
-    kernel gives each shard ``N*H / shards`` rows), biases ``[shards, rows]``. A block whose
+    """One layer with q/k/v and gate/up kernels (and biases) interleaved per shard into
+    ``qkv_*`` / ``gate_up_*``: kernels ``[D, shards, rows]`` (a ``[D, N, H]`` kernel gives
+    each shard ``N*H / shards`` rows), biases ``[shards, rows]``. A block whose
     ``shards`` entry is None keeps its kernels apart."""
     layer = dict(layer)
     for block, (fused, names) in _FUSED.items():
@@ -171,9 +151,12 @@ def _fuse(layer: Params, shards: dict[str, int | None]) -> Params:
             if f"{names[0]}_{suffix}" not in p:
                 continue
             parts = [p.pop(f"{name}_{suffix}") for name in names]
-            trail = 1 if suffix == "kernel" else 0  # the contracted D stays last
-            rows = [x.reshape(count, -1, *x.shape[x.ndim - trail :]) for x in parts]
-            p[f"{fused}_{suffix}"] = jnp.concatenate(rows, axis=1)
+            if suffix == "kernel":  # [D, ...] -> [D, shards, rows]
+                rows = [x.reshape(x.shape[0], count, -1) for x in parts]
+                p[f"{fused}_{suffix}"] = jnp.concatenate(rows, axis=2)
+            else:  # [...] -> [shards, rows]
+                rows = [x.reshape(count, -1) for x in parts]
+                p[f"{fused}_{suffix}"] = jnp.concatenate(rows, axis=1)
         layer[block] = p
     return layer
 
@@ -183,11 +166,11 @@ def _fused_matmul(
 ) -> list[jax.Array]:
     """``x`` times a kernel of :func:`_fuse`, split back into one ``[R, width]`` output per
     original kernel (``widths`` their output sizes, in fusion order)."""
-    kernel = p[f"{fused}_kernel"].astype(cfg.compute_dtype)  # [S, M, D]
-    shards = kernel.shape[0]
-    # One 2-D matmul: the same product as einsum "RD,SMD->RSM", which XLA:CPU ran ~10%
+    kernel = p[f"{fused}_kernel"].astype(cfg.compute_dtype)  # [D, S, M]
+    shards = kernel.shape[1]
+    # One 2-D matmul: the same product as einsum "RD,DSM->RSM", which XLA:CPU ran ~10%
     # slower over a bench-S decode call.
-    out = jnp.einsum("RD,MD->RM", x, kernel.reshape(-1, kernel.shape[-1]))
+    out = jnp.dot(x, kernel.reshape(kernel.shape[0], -1))
     out = out.reshape(x.shape[0], shards, -1)
     if f"{fused}_bias" in p:
         out = out + p[f"{fused}_bias"].astype(cfg.compute_dtype)
@@ -227,18 +210,13 @@ def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | 
     return out
 
 
-def model_layout(layer: Params) -> Params:
-    """Inverse of the transposes of :func:`decode_weights` (free: folded into the matmuls)."""
-    return _relayout(layer, False)
-
-
 def _project(
     cfg: ModelConfig, p: Params, x: Float[Array, "R 1 D"], name: str
 ) -> Float[Array, "R 1 N H"]:
-    """q/k/v projection with the kernel in decode layout ``[N, H, D]`` (see decode_weights)."""
+    """q/k/v projection with the model's kernel ``[D, N, H]`` (unfused, see decode_weights)."""
     kernel = p[f"{name}_kernel"].astype(cfg.compute_dtype)
-    heads, h, d = kernel.shape
-    out = jnp.einsum("RD,MD->RM", x[:, 0], kernel.reshape(heads * h, d))
+    d, heads, h = kernel.shape
+    out = jnp.dot(x[:, 0], kernel.reshape(d, heads * h))
     out = out.reshape(x.shape[0], 1, heads, h)
     if cfg.qkv_bias:
         out = out + p[f"{name}_bias"].astype(cfg.compute_dtype)
@@ -354,9 +332,9 @@ def _attention(
         out = _attend_joint(q, layer, *masks, scale=h**-0.5)
     else:
         out = _attend_shared(q, layer, *masks, scale=h**-0.5)
-    # o_kernel in decode layout [D, N, H]: a [R, N*H] x [D, N*H]^T matmul.
-    o_kernel = p["o_kernel"].astype(cfg.compute_dtype).reshape(cfg.hidden_size, n_heads * h)
-    out = jnp.einsum("RM,DM->RD", out.reshape(rows, n_heads * h), o_kernel)[:, None, :]
+    # o_kernel [N, H, D]: a [R, N*H] x [N*H, D] matmul.
+    o_kernel = p["o_kernel"].astype(cfg.compute_dtype).reshape(n_heads * h, cfg.hidden_size)
+    out = jnp.dot(out.reshape(rows, n_heads * h), o_kernel)[:, None, :]
     if cfg.out_bias:
         out = out + p["o_bias"].astype(cfg.compute_dtype)
     return out, gen_k, gen_v
@@ -365,12 +343,11 @@ def _attention(
 def _fused_mlp(
     cfg: ModelConfig, constrain: Constrain, p: Params, x: Float[Array, "R 1 D"]
 ) -> Float[Array, "R 1 D"]:
-    """The model's gated ``Mlp`` with gate and up as one :func:`_fuse` kernel and the down
-    kernel in decode layout ``[D, F]``."""
+    """The model's gated ``Mlp`` with gate and up as one :func:`_fuse` kernel."""
     f = cfg.intermediate_size
     gate, up = _fused_matmul(cfg, p, x[:, 0], "gate_up", (f, f))
     hidden = constrain(ACTIVATIONS[cfg.activation](gate) * up, (axes.BATCH, axes.ACT_MLP))
-    out = jnp.einsum("RF,DF->RD", hidden, p["down_kernel"].astype(cfg.compute_dtype))
+    out = jnp.dot(hidden, p["down_kernel"].astype(cfg.compute_dtype))
     if cfg.mlp_bias:
         out = out + p["down_bias"].astype(cfg.compute_dtype)
     return out[:, None, :]
@@ -436,10 +413,6 @@ def decode_step(
     layers, head = weights
     new_k, new_v = [], []
     for i, p in enumerate(layers):
-        # Attention reads the decode layout directly; the model's Mlp (gate/up unfused)
-        # gets the model layout.
-        if "gate_up_kernel" not in p["mlp"]:
-            p = {**p, "mlp": model_layout(p["mlp"])}
         if cache.shared_prefix:
             layer_cache = (cache.prefix_k[i], cache.prefix_v[i], cache.k[i], cache.v[i])
         else:
@@ -465,6 +438,6 @@ def decode_step(
         new_k.append(k)
         new_v.append(v)
     hidden = decoder.final_norm(x)[:, 0]
-    logits = lm_head(cfg, decoder, None if head is None else head.T, hidden)
+    logits = lm_head(cfg, decoder, head, hidden)
     logits = constrain(logits, (axes.BATCH, axes.ACT_VOCAB))
     return logits, cache.replace(k=tuple(new_k), v=tuple(new_v))
