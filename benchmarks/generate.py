@@ -98,8 +98,9 @@ def matmul_rate(m: int, k: int, n: int, reps: int) -> float:
     """Best float32 FLOP/s of a chain of [m, k] x [k, n] and [m, n] x [n, k] matmuls.
 
     Timed inside one jitted loop (no dispatch), with the weights stored both ways: [in, out]
-    and [out, in] (contracted on their last dim, which XLA's CPU matmul runs faster at small
-    m). The faster is kept, so the floor derived from it is a lower bound on the time.
+    and [out, in] (contracted on their last dim; which of the two XLA's CPU matmul runs faster
+    at small m depends on the CPU). The faster is kept, so the floor derived from it is a
+    lower bound on the time.
     """
     rng = np.random.default_rng(0)
 
