@@ -44,8 +44,11 @@ _MASKED = jnp.finfo(jnp.float32).min  # finite, as in models/attention.py
 def lm_head(
     cfg: ModelConfig, decoder: Decoder, kernel: jax.Array | None, hidden: Float[Array, "B D"]
 ) -> Float[Array, "B V"]:
-    """The CausalLM head on final hidden states: tied embedding or ``kernel`` [D, V], float32."""
-    if cfg.tie_embeddings:
+    """The CausalLM head on final hidden states, float32: tied embedding, ``kernel`` [D, V],
+    or the blocks [V / b, D, b] of either (:func:`decode_weights`)."""
+    if kernel is not None and kernel.ndim == 3:
+        logits = blocked_matmul(hidden, kernel.astype(cfg.compute_dtype))
+    elif cfg.tie_embeddings:
         logits = decoder.attend(hidden)
     else:
         logits = jnp.einsum("BD,DV->BV", hidden, kernel.astype(cfg.compute_dtype))
@@ -92,11 +95,14 @@ def prefill(
 
 
 def decode_weights(
-    params: Params, num_layers: int, shards: int | None | dict[str, int | None] = 1
+    params: Params,
+    num_layers: int,
+    shards: int | None | dict[str, int | None] = 1,
+    block: int = 0,
 ) -> tuple[list[Params], jax.Array | None]:
     """The weights as the decode loop reads them: one tree per layer, q/k/v and gate/up fused.
 
-    Called once per decode call, before the token loop. Two things happen:
+    Called once per decode call, before the token loop. Three things happen:
 
     * The stacked ``[L, ...]`` layer params are split into one tree per layer, so the loop
       reads each layer's weights in place (a layer scan inside the loop would dynamic-slice,
@@ -111,29 +117,41 @@ def decode_weights(
       communication. ``None`` keeps the kernels apart (a layout where the axes are split
       unevenly). A dict ``{"attn": ..., "mlp": ...}`` decides per block (see
       :func:`fused_shards`).
+    * With ``block`` > 0 (the sampler's default on CPU), the matmul kernels (fused q/k/v and
+      gate/up, o, down next to a fused gate/up, the LM head) become column blocks
+      ``[N / b, in, b]`` (:func:`_blocks`) that :func:`blocked_matmul` multiplies as one
+      batched matmul. A decode step multiplies a few rows by every weight, which on CPU
+      streams the weights from memory; contiguous blocks stream faster than the rows of an
+      ``[in, out]`` kernel: on an AMD EPYC Zen 4 VM blocks of 64 made a G1 bench-S call
+      13-16% faster on two CPU devices and bench-M 19% (benchmarks/RESULTS.md).
 
-    Every kernel keeps the model's ``[in, out]`` layout (``[D, N, H]`` for ``q_kernel``,
+    Unblocked kernels keep the model's ``[in, out]`` layout (``[D, N, H]`` for ``q_kernel``,
     ``[F, D]`` for ``down_kernel``, ``[D, V]`` for ``lm_head``). Until 2026-11-24 the loop
     stored them transposed (contracted dims last), which an Intel VM's matmuls of a few rows
-    preferred; on an AMD EPYC Zen 4 VM the ``[in, out]`` layout made a bench-S G1 call 10%
-    faster on two CPU devices (bench-M 20%), and it saves a copy of every kernel per call
-    (benchmarks/RESULTS.md).
+    preferred; on the Zen 4 VM the ``[in, out]`` layout was 10% faster.
 
     Returns:
-      ``(layers, lm_head)``: per-layer param trees (fused kernels ``[D, shards, rows]``), and
-      the untied LM head ``[D, V]`` (None for tied embeddings).
+      ``(layers, lm_head)``: per-layer param trees (fused kernels ``[D, shards, rows]``, or
+      blocks ``[shards, rows / b, D, b]``), and the LM head ``[D, V]`` or its blocks (None:
+      the tied embedding, used as it is).
     """
     stacked = params["decoder"]["layers"]
     layers = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
-    by_block = shards if isinstance(shards, dict) else dict.fromkeys(_FUSED, shards)
-    layers = [_fuse(layer, by_block) for layer in layers]
+    by_block = shards if isinstance(shards, dict) else dict.fromkeys(SHARD_KEYS, shards)
+    layers = [_to_blocks(_fuse(layer, by_block), by_block, block) for layer in layers]
     head = params.get("lm_head")
+    if head is not None:
+        head = _blocks(head, by_block.get("head"), block)
+    elif block:  # tied: blocks of the embedding's transpose, where they exist
+        blocks = _blocks(params["decoder"]["embed"]["embedding"].T, by_block.get("head"), block)
+        head = blocks if blocks.ndim == 3 else None
     # The barrier makes the per-layer slices and fused kernels arrays of their own, built
     # once before the token loop, whatever XLA would otherwise fold into the loop's operands.
     return jax.lax.optimization_barrier((layers, head))
 
 
 _FUSED = {"attn": ("qkv", ("q", "k", "v")), "mlp": ("gate_up", ("gate", "up"))}
+SHARD_KEYS = ("attn", "mlp", "o", "down", "head")
 
 
 def _fuse(layer: Params, shards: dict[str, int | None]) -> Params:
@@ -161,16 +179,78 @@ def _fuse(layer: Params, shards: dict[str, int | None]) -> Params:
     return layer
 
 
+# Output columns per weight block of the decode matmuls on CPU (see decode_weights).
+CPU_MATMUL_BLOCK = 64
+
+
+def _blocks(
+    kernel: jax.Array, shards: int | None, block: int, keep_shards: bool = False
+) -> jax.Array:
+    """A kernel ``[K, N]`` (or fused ``[K, S, M]``) as column blocks ``[N / b, K, b]``: block
+    ``j`` holds columns ``j*b .. j*b + b - 1``, b = ``block`` or half of it (0: no blocks).
+
+    ``shards`` is the number of devices the N columns are split over (S for a fused
+    kernel); blocks never straddle two of them, and the kernel is returned unchanged if its
+    ``N / shards`` columns per device do not split into blocks (or ``shards`` is None: an
+    uneven split). ``keep_shards`` returns a fused kernel's blocks as ``[S, M / b, K, b]``.
+    """
+    if shards is None:
+        return kernel
+    k = kernel.shape[0]
+    per_shard = kernel.reshape(k, shards, -1)
+    for b in (block, block // 2):
+        if b and per_shard.shape[2] % b == 0:
+            blocks = per_shard.reshape(k, shards, -1, b).transpose(1, 2, 0, 3)
+            return blocks if keep_shards else blocks.reshape(-1, k, b)
+    return kernel
+
+
+def blocked_matmul(x: Float[Array, "R K"], kernel: jax.Array) -> Float[Array, "R N"]:
+    """``x @ w`` for ``kernel`` = ``w`` ``[K, N]`` or its column blocks ``[N / b, K, b]``.
+
+    The blocked form is one batched matmul of ``x`` (broadcast) against each block: every
+    block is contiguous, so the kernel streams the weights in order. With a few rows, as in
+    decode, the weights come from memory on every step and this ordering decides the speed:
+    on an AMD EPYC Zen 4 VM a [16, 256] x [256, 1408] product whose weights are not in
+    cache took 140 us blocked by 64 against 201 us plain (benchmarks/RESULTS.md).
+    """
+    if kernel.ndim == 2:
+        return jnp.dot(x, kernel)
+    blocks, _, width = kernel.shape
+    out = jnp.einsum("BRK,BKJ->BRJ", jnp.broadcast_to(x, (blocks, *x.shape)), kernel)
+    return out.transpose(1, 0, 2).reshape(x.shape[0], blocks * width)
+
+
+def _to_blocks(layer: Params, shards: dict[str, int | None], block: int) -> Params:
+    """One layer (after :func:`_fuse`) with its fused kernels (``[S, M / b, D, b]``),
+    ``o_kernel`` and, next to a fused gate/up, ``down_kernel`` as :func:`_blocks`."""
+    layer = {**layer, "attn": dict(layer["attn"]), "mlp": dict(layer["mlp"])}
+    attn, mlp = layer["attn"], layer["mlp"]
+    for p, fused, name in ((attn, "qkv", "attn"), (mlp, "gate_up", "mlp")):
+        if f"{fused}_kernel" in p:
+            kernel = p[f"{fused}_kernel"]
+            p[f"{fused}_kernel"] = _blocks(kernel, shards[name], block, keep_shards=True)
+    o = attn["o_kernel"]  # [N, H, D] -> [N*H, D]
+    attn["o_kernel"] = _blocks(o.reshape(-1, o.shape[-1]), shards.get("o"), block)
+    if "gate_up_kernel" in mlp:
+        mlp["down_kernel"] = _blocks(mlp["down_kernel"], shards.get("down"), block)
+    return layer
+
+
 def _fused_matmul(
     cfg: ModelConfig, p: Params, x: Float[Array, "R D"], fused: str, widths: tuple[int, ...]
 ) -> list[jax.Array]:
     """``x`` times a kernel of :func:`_fuse`, split back into one ``[R, width]`` output per
     original kernel (``widths`` their output sizes, in fusion order)."""
-    kernel = p[f"{fused}_kernel"].astype(cfg.compute_dtype)  # [D, S, M]
-    shards = kernel.shape[1]
-    # One 2-D matmul: the same product as einsum "RD,DSM->RSM", which XLA:CPU ran ~10%
-    # slower over a bench-S decode call.
-    out = jnp.dot(x, kernel.reshape(kernel.shape[0], -1))
+    kernel = p[f"{fused}_kernel"].astype(cfg.compute_dtype)  # [D, S, M] or [S, M/b, D, b]
+    if kernel.ndim == 4:
+        shards = kernel.shape[0]
+        out = blocked_matmul(x, kernel.reshape(-1, *kernel.shape[2:]))
+    else:
+        shards = kernel.shape[1]
+        # One 2-D matmul: the same product as einsum "RD,DSM->RSM", which XLA:CPU ran
+        # ~10% slower over a bench-S decode call.
+        out = jnp.dot(x, kernel.reshape(kernel.shape[0], -1))
     out = out.reshape(x.shape[0], shards, -1)
     if f"{fused}_bias" in p:
         out = out + p[f"{fused}_bias"].astype(cfg.compute_dtype)
@@ -180,11 +260,12 @@ def _fused_matmul(
 
 def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | None]:
     """The ``shards`` argument of :func:`decode_weights` for params laid out by ``shardings``
-    (the sampler's param shardings; None = one device): per block (``"attn"``: q/k/v,
-    ``"mlp"``: gate/up) how many pieces its kernels' output axes are split into, or None
-    where they are not split alike (e.g. kv heads replicated while query heads are split)."""
+    (the sampler's param shardings; None = one device): into how many pieces each decode
+    matmul's output axis is split (``"attn"``: q/k/v, ``"mlp"``: gate/up, ``"o"``, ``"down"``,
+    ``"head"``: the LM head or tied embedding), or None where the kernels of a block are not
+    split alike (e.g. kv heads replicated while query heads are split)."""
     if shardings is None:
-        return dict.fromkeys(_FUSED, 1)
+        return dict.fromkeys(SHARD_KEYS, 1)
     layers = shardings["decoder"]["layers"]
     d, h, f, layers_n = cfg.hidden_size, cfg.dim_per_head, cfg.intermediate_size, cfg.num_layers
     shapes = {
@@ -207,6 +288,17 @@ def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | 
             else:
                 counts.add(int(np.prod(shape[2:]) // np.prod(local[2:])))
         out[block] = counts.pop() if len(counts) == 1 else None
+
+    def output_split(sharding: Any, shape: tuple[int, ...], axis: int) -> int:
+        return shape[axis] // sharding.shard_shape(shape)[axis]
+
+    out["o"] = output_split(layers["attn"]["o_kernel"], (layers_n, cfg.num_heads, h, d), axis=3)
+    out["down"] = output_split(layers["mlp"]["down_kernel"], (layers_n, f, d), axis=2)
+    if cfg.tie_embeddings:
+        embedding = shardings["decoder"]["embed"]["embedding"]
+        out["head"] = output_split(embedding, (cfg.vocab_size, d), axis=0)
+    else:
+        out["head"] = output_split(shardings["lm_head"], (d, cfg.vocab_size), axis=1)
     return out
 
 
@@ -332,9 +424,8 @@ def _attention(
         out = _attend_joint(q, layer, *masks, scale=h**-0.5)
     else:
         out = _attend_shared(q, layer, *masks, scale=h**-0.5)
-    # o_kernel [N, H, D]: a [R, N*H] x [N*H, D] matmul.
-    o_kernel = p["o_kernel"].astype(cfg.compute_dtype).reshape(n_heads * h, cfg.hidden_size)
-    out = jnp.dot(out.reshape(rows, n_heads * h), o_kernel)[:, None, :]
+    o_kernel = p["o_kernel"].astype(cfg.compute_dtype)  # [N*H, D] or its blocks
+    out = blocked_matmul(out.reshape(rows, n_heads * h), o_kernel)[:, None, :]
     if cfg.out_bias:
         out = out + p["o_bias"].astype(cfg.compute_dtype)
     return out, gen_k, gen_v
@@ -347,7 +438,7 @@ def _fused_mlp(
     f = cfg.intermediate_size
     gate, up = _fused_matmul(cfg, p, x[:, 0], "gate_up", (f, f))
     hidden = constrain(ACTIVATIONS[cfg.activation](gate) * up, (axes.BATCH, axes.ACT_MLP))
-    out = jnp.dot(hidden, p["down_kernel"].astype(cfg.compute_dtype))
+    out = blocked_matmul(hidden, p["down_kernel"].astype(cfg.compute_dtype))
     if cfg.mlp_bias:
         out = out + p["down_bias"].astype(cfg.compute_dtype)
     return out[:, None, :]

@@ -285,6 +285,7 @@ def decode_loop(
     loop: str,
     phases: tuple[int, ...],
     fuse_shards: dict[str, int | None],
+    matmul_block: int,
     params: Any,
     state: SamplerState,
     arrays: dict[str, jax.Array],
@@ -296,11 +297,12 @@ def decode_loop(
     tokens read a copy of the cache cut to the first ``phases[c]`` generated slots, which
     is written back when the phase ends. On CPU this cuts the attention's memory traffic
     by about a quarter with four phases; the price is one loop body per phase to compile.
-    ``fuse_shards`` is ``decode.decode_weights``' ``shards`` (``decode.fused_shards``).
+    ``fuse_shards`` and ``matmul_block`` are ``decode.decode_weights``' ``shards``
+    (``decode.fused_shards``) and ``block``.
     """
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} is not one of {list(LOOPS)}")
-    weights = decode_lib.decode_weights(params, cfg.num_layers, fuse_shards)
+    weights = decode_lib.decode_weights(params, cfg.num_layers, fuse_shards, matmul_block)
     prompt_len = state.prefix_mask.shape[1]
 
     def body(s: SamplerState) -> SamplerState:
@@ -361,6 +363,10 @@ class Sampler:
         ``decode_loop``); 1 disables them.
       min_phase_tokens: each phase covers at least this many tokens (so short generations
         compile a single loop).
+      matmul_block: columns per weight block of the decode matmuls
+        (``decode.decode_weights``); 0 keeps the kernels' ``[in, out]`` layout. None: 64
+        where the sampler runs on CPU devices, 0 on accelerators (where blocks are unmeasured,
+        and the dry run plans accelerator programs).
     """
 
     def __init__(
@@ -371,12 +377,20 @@ class Sampler:
         *,
         decode_phases: int = 4,
         min_phase_tokens: int = 32,
+        matmul_block: int | None = None,
     ):
         self.cfg = cfg
         self.mesh = mesh
         self.rules = rules
         self.decode_phases = decode_phases
         self.min_phase_tokens = min_phase_tokens
+        if matmul_block is None:
+            devices = jax.devices() if mesh is None else mesh.devices.flat
+            on_cpu = all(d.platform == "cpu" for d in devices)
+            matmul_block = decode_lib.CPU_MATMUL_BLOCK if on_cpu else 0
+        if matmul_block < 0:
+            raise ValueError(f"matmul_block={matmul_block} must be >= 0")
+        self.matmul_block = matmul_block
         self.constrain: Constrain = (
             activation_constraint(mesh, rules) if mesh is not None else no_constraint
         )
@@ -453,7 +467,14 @@ class Sampler:
         phases = phase_sizes(statics.max_new_tokens, self.decode_phases, self.min_phase_tokens)
         shards = decode_lib.fused_shards(self.cfg, self.param_shardings)
         loop_fn = functools.partial(
-            decode_loop, self.cfg, self.constrain, statics, loop, phases, shards
+            decode_loop,
+            self.cfg,
+            self.constrain,
+            statics,
+            loop,
+            phases,
+            shards,
+            self.matmul_block,
         )
 
         def decode_fn(params, state, arrays):

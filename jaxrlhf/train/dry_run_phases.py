@@ -386,7 +386,8 @@ def plan_rl(pl: Planner, source: str) -> str:
     )
 
     # -- generate: the sampler reads a generate-layout copy of the policy parameters ---------
-    sampler = Sampler(model_cfg, pl.generate_mesh)
+    # The accelerator's program: no CPU weight blocks (Sampler's default on CPU devices).
+    sampler = Sampler(model_cfg, pl.generate_mesh, matmul_block=0)
     if pl.generate_mesh is not mesh:
         pl.notes.append(
             f"sampler on its own mesh {dict(pl.generate_mesh.shape)} (placement.generate_mesh); "

@@ -21,12 +21,13 @@ from tests.generation.helpers import FAMILIES, jit_forward, prompts, tiny_cfg, t
 
 
 @pytest.mark.parametrize(
-    "family, n, shards",
-    [(f, 2, 1) for f in FAMILIES]
-    + [("llama", 1, 1), ("mistral", 1, 1), ("llama", 2, None), ("gpt2", 2, None)]
-    + [("qwen2", 2, 2), ("gemma", 1, 2), ("llama", 2, {"attn": None, "mlp": 2})],
+    "family, n, shards, block",
+    [(f, 2, 1, 64) for f in FAMILIES]
+    + [("llama", 1, 1, 0), ("mistral", 1, 1, 64), ("llama", 2, 1, 0), ("llama", 2, None, 0)]
+    + [("gpt2", 2, None, 64), ("qwen2", 2, 2, 64), ("gemma", 1, 2, 0)]
+    + [("llama", 2, {"attn": None, "mlp": 2, "head": 2}, 64)],
 )
-def test_decode_logits_equal_full_forward(family, n, shards):
+def test_decode_logits_equal_full_forward(family, n, shards, block):
     """Prefill a left-padded batch, feed fixed tokens one by one: the logits of every step
     equal a full forward over prompt + fed tokens. With n = 2 samples per prompt, each fed
     different tokens, the shared prompt cache and the per-sample cache both matter; n = 1
@@ -34,7 +35,9 @@ def test_decode_logits_equal_full_forward(family, n, shards):
     q/k/v and gate/up kernels are fused (decode_weights): None keeps them apart, 2
     interleaves them as for a two-way tensor-parallel layout (here on one device, which
     checks that the split after the fused matmul undoes the interleaving); a dict decides
-    per block."""
+    per block. ``block`` 64 multiplies by weight blocks (the sampler's default on CPU; the
+    tiny models' 32-128 wide kernels give blocks of 64 and, per shard, 32), 0 by the plain
+    kernels (accelerators)."""
     cfg, params = tiny_cfg(family), tiny_params(family)
     new = 5
     prompt, mask = prompts(cfg.vocab_size, lengths=(6, 4, 2), total=6, seed=1)
@@ -44,7 +47,7 @@ def test_decode_logits_equal_full_forward(family, n, shards):
     @jax.jit
     def run(params, prompt, mask, fed):
         state = init_state(cfg, no_constraint, statics, params, prompt, mask, jax.random.key(0))
-        weights = decode_lib.decode_weights(params, cfg.num_layers, shards)
+        weights = decode_lib.decode_weights(params, cfg.num_layers, shards, block)
 
         def feed(state, t):
             state = state.replace(tokens=state.tokens.at[:, t].set(fed[:, t]), step=t + 1)
@@ -61,3 +64,31 @@ def test_decode_logits_equal_full_forward(family, n, shards):
     expected = ref[:, prompt.shape[1] - 1 : -1]
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
     assert np.abs(expected).max() > 0.5
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+@pytest.mark.parametrize("width", [256, 96, 40])
+def test_blocked_matmul_equals_numpy(shards, width):
+    """``blocked_matmul`` over ``_blocks`` of a kernel equals ``x @ w`` column for column
+    (NumPy float64 reference; 1e-5 on sums of 48 products of size ~1), for every shard
+    count: 256 columns split into blocks of 64 per shard, 96 into 32 where 64 does not
+    divide, and 40 (or 40 / shards) into none, where the kernel stays as it is."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 48)).astype(np.float32)
+    w = rng.standard_normal((48, width)).astype(np.float32)
+    blocks = decode_lib._blocks(jnp.asarray(w), shards, 64)
+    per_shard = width // shards
+    expected_block = next((b for b in (64, 32) if per_shard % b == 0), None)
+    if expected_block is None:
+        assert blocks.shape == w.shape
+    else:
+        assert blocks.shape == (width // expected_block, 48, expected_block)
+    got = np.asarray(decode_lib.blocked_matmul(jnp.asarray(x), blocks))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w, atol=1e-5, rtol=0)
+    # A fused kernel [K, S, M] keeps its shard axis: [S, M / b, K, b].
+    fused = decode_lib._blocks(jnp.asarray(w.reshape(48, shards, -1)), shards, 64, True)
+    if expected_block is not None:
+        assert fused.shape == (shards, per_shard // expected_block, 48, expected_block)
+        flat = fused.reshape(-1, *fused.shape[2:])
+        got = np.asarray(decode_lib.blocked_matmul(jnp.asarray(x), flat))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w, atol=1e-5, rtol=0)

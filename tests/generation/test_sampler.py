@@ -207,3 +207,20 @@ def test_decode_phases_equal_one_loop():
         out = _np(phased.generate(params, tokens, mask, jax.random.key(14), GREEDY, loop=loop))
         np.testing.assert_array_equal(out.tokens, ref.tokens)
         np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
+
+
+def test_weight_blocks_are_the_cpu_default_and_change_only_rounding():
+    """On CPU the sampler multiplies by weight blocks of 64 (decode.decode_weights); with
+    ``matmul_block=0`` (the accelerator default) it uses the plain kernels. Same sampled
+    tokens, log-probs equal to rounding (a batched and a plain matmul sum in different
+    orders, ~1e-6 here); a negative block is refused."""
+    cfg, params = tiny_cfg("qwen2"), tiny_params("qwen2")
+    tokens, mask = prompts(cfg.vocab_size, seed=15)
+    assert sampler("qwen2").matmul_block == 64
+    plain = Sampler(cfg, matmul_block=0)
+    ref = _np(sampler("qwen2").generate(params, tokens, mask, jax.random.key(16), SAMPLED))
+    out = _np(plain.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="matmul_block=-1"):
+        Sampler(cfg, matmul_block=-1)

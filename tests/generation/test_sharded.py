@@ -39,9 +39,11 @@ def test_sharded_greedy_equals_single_device(shape):
     assert s.rules == GENERATE
     # q/k/v and gate/up are fused per tensor shard where their axes split alike (4 heads,
     # 2 kv heads and 64 MLP units two ways); 2 kv heads cannot split four ways, so on the
-    # 4-way mesh only gate/up are fused.
+    # 4-way mesh only gate/up are fused. The LM head's vocab is split over "tensor" too;
+    # o and down produce the unsplit hidden axis.
     attn = shape[2] if shape[2] == 2 else None
-    assert decode_lib.fused_shards(cfg, s.param_shardings) == {"attn": attn, "mlp": shape[2]}
+    expected = {"attn": attn, "mlp": shape[2], "o": 1, "down": 1, "head": shape[2]}
+    assert decode_lib.fused_shards(cfg, s.param_shardings) == expected
     with jax.transfer_guard("disallow"):
         params, stats = s.to_generate_layout(train_params)
     assert stats.bytes_moved > 0  # the fsdp-split weights are gathered for generation
