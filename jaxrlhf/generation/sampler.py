@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any
 
 import flax.struct
@@ -349,6 +350,25 @@ def finalize(state: SamplerState, arrays: dict[str, jax.Array]) -> SampleOutput:
     )
 
 
+def default_matmul_block(devices: Any) -> int:
+    """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices).
+
+    Weight blocks (``decode.decode_weights``) speed up a matmul that one core runs over
+    weights streamed from memory. They are used where the sampler has at least as many CPU
+    devices as the process has cores, so that each device's matmuls run on about one core:
+    with more cores than devices XLA:CPU splits a plain matmul over several threads, which
+    the batched one of the blocks does not match (G1 bench-S on one device and two cores:
+    523 ms plain against 660 ms blocked; on two devices 449 against 392 ms, see
+    benchmarks/RESULTS.md). Accelerators keep the plain kernels (blocks are unmeasured
+    there, and the dry run plans accelerator programs).
+    """
+    devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
+    if any(d.platform != "cpu" for d in devices):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return decode_lib.CPU_MATMUL_BLOCK if len(devices) >= (cores or 1) else 0
+
+
 # ---- the sampler object (outside jit) ---------------------------------------------------
 
 
@@ -364,9 +384,8 @@ class Sampler:
       min_phase_tokens: each phase covers at least this many tokens (so short generations
         compile a single loop).
       matmul_block: columns per weight block of the decode matmuls
-        (``decode.decode_weights``); 0 keeps the kernels' ``[in, out]`` layout. None: 64
-        where the sampler runs on CPU devices, 0 on accelerators (where blocks are unmeasured,
-        and the dry run plans accelerator programs).
+        (``decode.decode_weights``); 0 keeps the kernels' ``[in, out]`` layout. None:
+        :func:`default_matmul_block` of the sampler's devices.
     """
 
     def __init__(
@@ -385,9 +404,7 @@ class Sampler:
         self.decode_phases = decode_phases
         self.min_phase_tokens = min_phase_tokens
         if matmul_block is None:
-            devices = jax.devices() if mesh is None else mesh.devices.flat
-            on_cpu = all(d.platform == "cpu" for d in devices)
-            matmul_block = decode_lib.CPU_MATMUL_BLOCK if on_cpu else 0
+            matmul_block = default_matmul_block([jax.devices()[0]] if mesh is None else mesh)
         if matmul_block < 0:
             raise ValueError(f"matmul_block={matmul_block} must be >= 0")
         self.matmul_block = matmul_block

@@ -9,11 +9,14 @@ orders, which moves logits by ~1e-6 here (logits ~1-10); that is the only differ
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
 from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation.sampler import default_matmul_block
 from jaxrlhf.losses import token_logprobs
 from tests.generation.helpers import (
     FAMILIES,
@@ -209,18 +212,35 @@ def test_decode_phases_equal_one_loop():
         np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
 
 
-def test_weight_blocks_are_the_cpu_default_and_change_only_rounding():
-    """On CPU the sampler multiplies by weight blocks of 64 (decode.decode_weights); with
-    ``matmul_block=0`` (the accelerator default) it uses the plain kernels. Same sampled
-    tokens, log-probs equal to rounding (a batched and a plain matmul sum in different
-    orders, ~1e-6 here); a negative block is refused."""
+def test_weight_blocks_change_only_rounding():
+    """Decode with weight blocks of 64 (decode.decode_weights) and with the plain kernels:
+    same sampled tokens, log-probs equal to rounding (a batched and a plain matmul sum in
+    different orders, ~1e-6 here); a negative block is refused."""
     cfg, params = tiny_cfg("qwen2"), tiny_params("qwen2")
     tokens, mask = prompts(cfg.vocab_size, seed=15)
-    assert sampler("qwen2").matmul_block == 64
-    plain = Sampler(cfg, matmul_block=0)
-    ref = _np(sampler("qwen2").generate(params, tokens, mask, jax.random.key(16), SAMPLED))
-    out = _np(plain.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
+    blocked, plain = Sampler(cfg, matmul_block=64), Sampler(cfg, matmul_block=0)
+    ref = _np(plain.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
+    out = _np(blocked.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="matmul_block=-1"):
         Sampler(cfg, matmul_block=-1)
+
+
+def test_default_matmul_block(monkeypatch):
+    """Blocks where each of the sampler's CPU devices has about one core (at least as many
+    devices as cores), plain kernels where XLA can split a matmul over spare cores, and on
+    accelerators."""
+    cpus = jax.devices("cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert default_matmul_block(cpus[:1]) == 0
+    if len(cpus) >= 2:
+        assert default_matmul_block(cpus[:2]) == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert default_matmul_block(cpus[:1]) == 64
+    assert Sampler(tiny_cfg("llama")).matmul_block == 64  # one device, one core
+
+    class Accelerator:
+        platform = "gpu"
+
+    assert default_matmul_block([Accelerator()]) == 0
