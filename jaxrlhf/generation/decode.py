@@ -117,7 +117,8 @@ def decode_weights(
       communication. ``None`` keeps the kernels apart (a layout where the axes are split
       unevenly). A dict ``{"attn": ..., "mlp": ...}`` decides per block (see
       :func:`fused_shards`).
-    * With ``block`` > 0 (the sampler's default on CPU), the matmul kernels (fused q/k/v and
+    * With ``block`` > 0 (the sampler's default where each CPU device has about one core,
+      ``sampler.default_matmul_block``), the matmul kernels (fused q/k/v and
       gate/up, o, down next to a fused gate/up, the LM head) become column blocks
       ``[N / b, in, b]`` (:func:`_blocks`) that :func:`blocked_matmul` multiplies as one
       batched matmul. A decode step multiplies a few rows by every weight, which on CPU
@@ -212,7 +213,7 @@ def blocked_matmul(x: Float[Array, "R K"], kernel: jax.Array) -> Float[Array, "R
     block is contiguous, so the kernel streams the weights in order. With a few rows, as in
     decode, the weights come from memory on every step and this ordering decides the speed:
     on an AMD EPYC Zen 4 VM a [16, 256] x [256, 1408] product whose weights are not in
-    cache took 140 us blocked by 64 against 201 us plain (benchmarks/RESULTS.md).
+    cache took 128 us in blocks of 64 against 184 us plain (benchmarks/RESULTS.md).
     """
     if kernel.ndim == 2:
         return jnp.dot(x, kernel)
