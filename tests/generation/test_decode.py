@@ -8,6 +8,8 @@ Tolerance 1e-4 abs on fp32 logits of size ~1-10 (the model tolerance of tests/mo
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,8 @@ import pytest
 from jaxrlhf.generation import SamplingParams, init_state
 from jaxrlhf.generation import decode as decode_lib
 from jaxrlhf.generation.sampler import forward_step
-from jaxrlhf.models.transformer import no_constraint
+from jaxrlhf.models import model as model_lib
+from jaxrlhf.models.transformer import Decoder, no_constraint
 from tests.generation.helpers import FAMILIES, jit_forward, prompts, tiny_cfg, tiny_params
 
 
@@ -92,3 +95,23 @@ def test_blocked_matmul_equals_numpy(shards, width):
         flat = fused.reshape(-1, *fused.shape[2:])
         got = np.asarray(decode_lib.blocked_matmul(jnp.asarray(x), flat))
         np.testing.assert_allclose(got, x.astype(np.float64) @ w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lm_head_without_blocks_for_an_odd_vocab(family):
+    """A vocab of 130 splits into no blocks of 64 or 32: the untied head stays [D, V] and the
+    tied one the embedding (``decode_weights`` returns None). Logits equal the plain head's
+    (NumPy reference, 1e-5 on logits of size ~1)."""
+    cfg = dataclasses.replace(tiny_cfg(family), vocab_size=130)
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    _, head = decode_lib.decode_weights(params, cfg.num_layers, 1, 64)
+    if cfg.tie_embeddings:
+        assert head is None
+        table = np.asarray(params["decoder"]["embed"]["embedding"]).T
+    else:
+        assert head.shape == (cfg.hidden_size, 130)
+        table = np.asarray(params["lm_head"])
+    hidden = np.random.default_rng(3).standard_normal((4, cfg.hidden_size)).astype(np.float32)
+    decoder = Decoder(cfg, no_constraint).bind({"params": params["decoder"]})
+    logits = np.asarray(decode_lib.lm_head(cfg, decoder, head, jnp.asarray(hidden)))
+    np.testing.assert_allclose(logits, hidden.astype(np.float64) @ table, atol=1e-5, rtol=0)
