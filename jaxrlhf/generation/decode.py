@@ -6,10 +6,10 @@ last real token instead of every position.
 
 Decode runs the same parameters through a loop over layers written for one new token per
 row against the head-major cache of ``generation/cache.py``, with the weights split per
-layer and q/k/v and gate/up fused once per call (``decode_weights``). It reuses the model's
-``Norm`` module (and ``Mlp`` where gate/up are not fused), its embedding, tied head and
-RoPE, the parameter names and the kernels' ``[in, out]`` layout; only the attention block
-(and the fused matmuls) is re-expressed, because the model's attention reads its
+layer, q/k/v and gate/up fused and, on CPU, the kernels cut into contiguous column blocks,
+once per call (``decode_weights``). It reuses the model's ``Norm`` module (and ``Mlp`` where
+gate/up are not fused), its embedding, tied head and RoPE and the parameter names; only the
+attention block and the matmuls are re-expressed, because the model's attention reads its
 ``[L, B, S, K, H]`` cache through a layer scan that copies and transposes the cache on every
 step (see the cache module docstring).
 tests/generation/test_decode.py checks decode logits against ``models.model.forward`` for
@@ -115,8 +115,12 @@ def decode_weights(
       (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``) so that every device's slice of the fused
       kernel is its own heads' q, k and v and the split after the matmul needs no
       communication. ``None`` keeps the kernels apart (a layout where the axes are split
-      unevenly). A dict ``{"attn": ..., "mlp": ...}`` decides per block (see
-      :func:`fused_shards`).
+      unevenly) and makes no blocks. A dict (:func:`fused_shards`) gives the count per
+      matmul: ``"attn"`` (q/k/v), ``"mlp"`` (gate/up), ``"o"``, ``"down"``, ``"head"`` (their
+      output axes); a missing or None entry leaves that matmul unfused and unblocked. An
+      int ``n`` means ``{"attn": n, "mlp": n, "head": n, "o": 1, "down": 1}``: the
+      generation layout splits heads, MLP units and the vocab alike and never the hidden
+      axis that o and down produce.
     * With ``block`` > 0 (the sampler's default where each CPU device has about one core,
       ``sampler.default_matmul_block``), the matmul kernels (fused q/k/v and
       gate/up, o, down next to a fused gate/up, the LM head) become column blocks
@@ -127,18 +131,25 @@ def decode_weights(
       13-16% faster on two CPU devices and bench-M 19% (benchmarks/RESULTS.md).
 
     Unblocked kernels keep the model's ``[in, out]`` layout (``[D, N, H]`` for ``q_kernel``,
-    ``[F, D]`` for ``down_kernel``, ``[D, V]`` for ``lm_head``). Until 2026-11-24 the loop
-    stored them transposed (contracted dims last), which an Intel VM's matmuls of a few rows
-    preferred; on the Zen 4 VM the ``[in, out]`` layout was 10% faster.
+    ``[F, D]`` for ``down_kernel``, ``[D, V]`` for ``lm_head``; ``o_kernel`` flattened to
+    ``[N*H, D]``). Until 2026-11-24 the loop stored them transposed (contracted dims last),
+    which an Intel VM's matmuls of a few rows preferred; on the Zen 4 VM the ``[in, out]``
+    layout was 10% faster.
 
     Returns:
-      ``(layers, lm_head)``: per-layer param trees (fused kernels ``[D, shards, rows]``, or
-      blocks ``[shards, rows / b, D, b]``), and the LM head ``[D, V]`` or its blocks (None:
-      the tied embedding, used as it is).
+      ``(layers, lm_head)``: per-layer param trees (fused kernels ``[D, shards, rows]`` or
+      blocks ``[shards, rows / b, D, b]``; ``o_kernel`` ``[N*H, D]`` or blocks
+      ``[D / b, N*H, b]``; ``down_kernel`` ``[F, D]`` or ``[D / b, F, b]``), and the LM head
+      ``[D, V]`` or blocks ``[V / b, D, b]`` (None: the tied embedding, used as it is).
     """
     stacked = params["decoder"]["layers"]
     layers = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
-    by_block = shards if isinstance(shards, dict) else dict.fromkeys(SHARD_KEYS, shards)
+    if isinstance(shards, dict):
+        by_block = shards
+    elif shards is None:
+        by_block = dict.fromkeys(SHARD_KEYS, None)
+    else:
+        by_block = {"attn": shards, "mlp": shards, "head": shards, "o": 1, "down": 1}
     layers = [_to_blocks(_fuse(layer, by_block), by_block, block) for layer in layers]
     head = params.get("lm_head")
     if head is not None:
@@ -192,10 +203,12 @@ def _blocks(
 
     ``shards`` is the number of devices the N columns are split over (S for a fused
     kernel); blocks never straddle two of them, and the kernel is returned unchanged if its
-    ``N / shards`` columns per device do not split into blocks (or ``shards`` is None: an
-    uneven split). ``keep_shards`` returns a fused kernel's blocks as ``[S, M / b, K, b]``.
+    ``N / shards`` columns per device do not split into blocks (or ``shards`` is None or
+    does not divide N: an uneven split). ``keep_shards`` returns a fused kernel's blocks as
+    ``[S, M / b, K, b]``.
     """
-    if shards is None:
+    n = int(np.prod(kernel.shape[1:]))
+    if not block or shards is None or n % shards:
         return kernel
     k = kernel.shape[0]
     per_shard = kernel.reshape(k, shards, -1)

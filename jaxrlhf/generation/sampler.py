@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 from typing import Any
 
@@ -49,7 +50,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
@@ -362,11 +363,29 @@ def default_matmul_block(devices: Any) -> int:
     benchmarks/RESULTS.md). Accelerators keep the plain kernels (blocks are unmeasured
     there, and the dry run plans accelerator programs).
     """
+    if isinstance(devices, AbstractMesh):  # no devices to look at: plan as an accelerator
+        return 0
     devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
     if any(d.platform != "cpu" for d in devices):
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return decode_lib.CPU_MATMUL_BLOCK if len(devices) >= (cores or 1) else 0
+    return decode_lib.CPU_MATMUL_BLOCK if len(devices) >= usable_cores() else 0
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (a container limited to 2 CPUs on a large host counts 2)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(cores, 1)
 
 
 # ---- the sampler object (outside jit) ---------------------------------------------------

@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, Mesh
 
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.sampler import default_matmul_block
@@ -223,6 +224,14 @@ def test_weight_blocks_change_only_rounding():
     out = _np(blocked.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
+
+    def batched_matmuls(s: Sampler) -> int:  # decode.blocked_matmul's einsum, compiled
+        state = s.prefill(params, tokens, mask, jax.random.key(16), SAMPLED)
+        fn = s._decode_fn(SAMPLED.static(), "scan", *tokens.shape)
+        hlo = fn.lower(params, state, SAMPLED.arrays()).compile().as_text()
+        return hlo.count("BRK,BKJ->BRJ")
+
+    assert batched_matmuls(blocked) > 0 and batched_matmuls(plain) == 0
     with pytest.raises(ValueError, match="matmul_block=-1"):
         Sampler(cfg, matmul_block=-1)
 
@@ -238,7 +247,12 @@ def test_default_matmul_block(monkeypatch):
         assert default_matmul_block(cpus[:2]) == 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert default_matmul_block(cpus[:1]) == 64
-    assert Sampler(tiny_cfg("llama")).matmul_block == 64  # one device, one core
+    assert default_matmul_block(Mesh(np.array(cpus[:1]), ("data",))) == 64
+    assert Sampler(tiny_cfg("llama")).matmul_block == 64  # one (CPU) device, one core
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # e.g. macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert default_matmul_block(cpus[:1]) == 0
+    assert default_matmul_block(AbstractMesh((1,), ("data",))) == 0  # no devices: as on GPU
 
     class Accelerator:
         platform = "gpu"

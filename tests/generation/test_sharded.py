@@ -35,7 +35,7 @@ def test_sharded_greedy_equals_single_device(shape):
 
     mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]))
     train_params, _ = reshard(host_params, param_shardings(cfg, mesh, TRAIN))
-    s = Sampler(cfg, mesh)
+    s = Sampler(cfg, mesh, matmul_block=64)  # weight blocks, whatever this host's cores
     assert s.rules == GENERATE
     # q/k/v and gate/up are fused per tensor shard where their axes split alike (4 heads,
     # 2 kv heads and 64 MLP units two ways); 2 kv heads cannot split four ways, so on the
@@ -71,16 +71,18 @@ def test_sharded_greedy_equals_single_device(shape):
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)], ids=["2x2x2", "1x2x4"])
 def test_fused_decode_weights_add_no_communication(shape, monkeypatch):
-    """Fusing q/k/v and gate/up per tensor shard (decode.decode_weights) keeps each device's
-    slice of the fused kernel its own heads' rows: the compiled decode program has exactly
-    the collectives of the unfused one (on 1x2x4 only gate/up are fused)."""
+    """Fusing q/k/v and gate/up per tensor shard and cutting the kernels into weight blocks
+    within each device's columns (decode.decode_weights) keep each device's slice its own
+    heads' rows: the compiled decode program has exactly the collectives of the unfused,
+    unblocked one (on 1x2x4 only gate/up are fused; the vocab-split LM head is blocked on
+    both meshes)."""
     cfg, host_params = tiny_cfg("llama"), tiny_params("llama")
     tokens, mask = prompts(cfg.vocab_size, seed=11)
     mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]))
 
     def collectives(shards_fn):
         monkeypatch.setattr(decode_lib, "fused_shards", shards_fn)
-        s = Sampler(cfg, mesh)
+        s = Sampler(cfg, mesh, matmul_block=64)
         params, _ = s.to_generate_layout(host_params)
         state = s.prefill(params, tokens, mask, jax.random.key(0), GREEDY)
         fn = s._decode_fn(GREEDY.static(), "scan", tokens.shape[0], tokens.shape[1])
@@ -89,6 +91,6 @@ def test_fused_decode_weights_add_no_communication(shape, monkeypatch):
         return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}
 
     fused = collectives(decode_lib.fused_shards)
-    apart = collectives(lambda cfg, shardings: None)  # None: both blocks apart
+    apart = collectives(lambda cfg, shardings: None)  # None: nothing fused or blocked
     assert fused == apart
     assert fused["all-reduce"] > 0  # the count does see the tensor-parallel reductions
