@@ -44,14 +44,13 @@ _MASKED = jnp.finfo(jnp.float32).min  # finite, as in models/attention.py
 def lm_head(
     cfg: ModelConfig, decoder: Decoder, kernel: jax.Array | None, hidden: Float[Array, "B D"]
 ) -> Float[Array, "B V"]:
-    """The CausalLM head on final hidden states, float32: tied embedding, ``kernel`` [D, V],
-    or the blocks [V / b, D, b] of either (:func:`decode_weights`)."""
-    if kernel is not None and kernel.ndim == 3:
-        logits = blocked_matmul(hidden, kernel.astype(cfg.compute_dtype))
-    elif cfg.tie_embeddings:
+    """The CausalLM head on final hidden states, float32: ``kernel`` [D, V] or its blocks
+    [V / b, D, b] (:func:`decode_weights`; blocks of the embedding's transpose when tied),
+    or, where ``kernel`` is None, the tied embedding itself."""
+    if kernel is None:
         logits = decoder.attend(hidden)
     else:
-        logits = jnp.einsum("BD,DV->BV", hidden, kernel.astype(cfg.compute_dtype))
+        logits = blocked_matmul(hidden, kernel.astype(cfg.compute_dtype))
     return logits.astype(jnp.float32)
 
 
@@ -292,20 +291,20 @@ def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | 
     }
     if cfg.gated_mlp:
         shapes["mlp"]["gate_kernel"] = (layers_n, d, f)
-    out: dict[str, int | None] = {}
-    for block, kernels in shapes.items():
-        counts = set()
-        for name, shape in kernels.items():
-            local = layers[block][name].shard_shape(shape)
-            if len(shape) == 4 and local[3] != shape[3]:
-                counts.add(None)  # split inside a head: per-head interleaving cannot line up
-            else:
-                counts.add(int(np.prod(shape[2:]) // np.prod(local[2:])))
-        out[block] = counts.pop() if len(counts) == 1 else None
 
     def output_split(sharding: Any, shape: tuple[int, ...], axis: int) -> int:
         return shape[axis] // sharding.shard_shape(shape)[axis]
 
+    out: dict[str, int | None] = {}
+    for block, kernels in shapes.items():
+        counts = set()
+        for name, shape in kernels.items():
+            sharding = layers[block][name]
+            if len(shape) == 4 and sharding.shard_shape(shape)[3] != shape[3]:
+                counts.add(None)  # split inside a head: per-head interleaving cannot line up
+            else:
+                counts.add(output_split(sharding, shape, axis=2))  # heads / MLP units
+        out[block] = counts.pop() if len(counts) == 1 else None
     out["o"] = output_split(layers["attn"]["o_kernel"], (layers_n, cfg.num_heads, h, d), axis=3)
     out["down"] = output_split(layers["mlp"]["down_kernel"], (layers_n, f, d), axis=2)
     if cfg.tie_embeddings:

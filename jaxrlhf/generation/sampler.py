@@ -371,15 +371,15 @@ def default_matmul_block(devices: Any) -> int:
     return decode_lib.CPU_MATMUL_BLOCK if len(devices) >= usable_cores() else 0
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
-    (a container limited to 2 CPUs on a large host counts 2)."""
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPU cores this process may run on: its affinity mask, capped by the cgroup v2 CPU
+    quota in ``cpu_max`` (a container limited to 2 CPUs on a large host counts 2)."""
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     else:
         cores = os.cpu_count() or 1
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
+        with open(cpu_max) as f:
             quota, period = f.read().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, math.ceil(int(quota) / int(period))))

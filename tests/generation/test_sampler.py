@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import AbstractMesh, Mesh
 
 from jaxrlhf.generation import Sampler, SamplingParams
-from jaxrlhf.generation.sampler import default_matmul_block
+from jaxrlhf.generation import sampler as sampler_lib
+from jaxrlhf.generation.sampler import default_matmul_block, usable_cores
 from jaxrlhf.losses import token_logprobs
 from tests.generation.helpers import (
     FAMILIES,
@@ -241,20 +242,33 @@ def test_default_matmul_block(monkeypatch):
     devices as cores), plain kernels where XLA can split a matmul over spare cores, and on
     accelerators."""
     cpus = jax.devices("cpu")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(sampler_lib, "usable_cores", lambda: 2)
     assert default_matmul_block(cpus[:1]) == 0
     if len(cpus) >= 2:
         assert default_matmul_block(cpus[:2]) == 64
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(sampler_lib, "usable_cores", lambda: 1)
     assert default_matmul_block(cpus[:1]) == 64
     assert default_matmul_block(Mesh(np.array(cpus[:1]), ("data",))) == 64
     assert Sampler(tiny_cfg("llama")).matmul_block == 64  # one (CPU) device, one core
-    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # e.g. macOS
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    assert default_matmul_block(cpus[:1]) == 0
     assert default_matmul_block(AbstractMesh((1,), ("data",))) == 0  # no devices: as on GPU
 
     class Accelerator:
         platform = "gpu"
 
     assert default_matmul_block([Accelerator()]) == 0
+
+
+def test_usable_cores_honours_a_cgroup_quota(tmp_path, monkeypatch):
+    """``usable_cores``: the affinity mask (``os.cpu_count`` where there is none), capped by a
+    cgroup v2 ``cpu.max`` quota rounded up (250000 / 100000 -> 3 of 8), unchanged by "max"
+    or a missing file."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("250000 100000\n")
+    assert usable_cores(str(cpu_max)) == 3
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(str(cpu_max)) == 8
+    assert usable_cores(str(tmp_path / "absent")) == 8
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # e.g. macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert usable_cores(str(tmp_path / "absent")) == 4
