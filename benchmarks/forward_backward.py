@@ -6,7 +6,7 @@ milliseconds per call over ``--reps`` calls after a warm-up, and per call the pr
 and kernel (system) CPU milliseconds and minor page faults (``getrusage``). The kernel time is
 where XLA:CPU's per-execution temporary buffer shows (benchmarks/RESULTS.md, "Why the
 update loses per token"). Like ``python -m jaxrlhf.train`` on CPU, it first applies
-``jaxrlhf.host_memory.reuse_freed_host_memory``; ``JAXRLHF_HOST_MEMORY=system`` leaves glibc's
+``jaxrlhf.platform.reuse_freed_host_memory``; ``JAXRLHF_HOST_MEMORY=system`` leaves glibc's
 and JAX's defaults, to compare::
 
     python benchmarks/forward_backward.py
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrlhf import host_memory  # noqa: E402
+from jaxrlhf import platform as jaxrlhf_platform  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
 
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
-    host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
+    host = jaxrlhf_platform.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
 
     import torch
     import transformers

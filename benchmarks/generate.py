@@ -45,12 +45,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrlhf import host_memory  # noqa: E402
+from jaxrlhf import platform as jaxrlhf_platform  # noqa: E402
 from jaxrlhf.generation import Sampler, SamplingParams  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
 from jaxrlhf.sharding import MeshConfig, make_mesh  # noqa: E402
-from jaxrlhf.sharding.placement import set_cpu_devices  # noqa: E402
 
 MODELS = {"bench-s": ModelConfig.bench_s, "bench-m": ModelConfig.bench_m}
 BATCH, PROMPT, NEW = 32, 64, 128
@@ -332,9 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cpu_devices < 1:
         parser.error("--cpu-devices must be >= 1")
-    if args.cpu_devices > 1 and set_cpu_devices(args.cpu_devices) is not None:
+    if args.cpu_devices > 1 and jaxrlhf_platform.set_cpu_devices(args.cpu_devices) is not None:
         parser.error("--cpu-devices: JAX has already started")
-    host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
+    host = jaxrlhf_platform.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
 
     import torch
     import transformers

@@ -36,6 +36,7 @@ import platform
 import sys
 import tempfile
 import time
+import types
 
 import jax
 import numpy as np
@@ -43,13 +44,12 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxrlhf import host_memory  # noqa: E402
+from jaxrlhf import platform as jaxrlhf_platform  # noqa: E402
 from jaxrlhf.config import load_config  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
 from jaxrlhf.models.hf_checkpoint import save_hf  # noqa: E402
-from jaxrlhf.sharding.placement import set_cpu_devices  # noqa: E402
-from jaxrlhf.train.rl_loop import PHASES  # noqa: E402
+from jaxrlhf.train.rl_metrics import PHASES  # noqa: E402
 from jaxrlhf.train.rl_trainer import build_rl_trainer  # noqa: E402
 
 MODELS = {"bench-s": "bench_s", "bench-m": "bench_m"}
@@ -67,14 +67,18 @@ def cheap_reward(prompts: list[str], completions: list[str]) -> np.ndarray:
 
 
 class RandomPrompts:
-    """Endless [8, 64] batches of random prompt tokens (no padding)."""
+    """Endless [8, 64] batches of random prompt tokens (no padding), all from one empty
+    record (the reward function reads no columns)."""
+
+    dataset = types.SimpleNamespace(records=[{}])
 
     def __init__(self, vocab: int, seed: int = 0):
         self.rng, self.vocab = np.random.default_rng(seed), vocab
 
     def __next__(self) -> dict[str, np.ndarray]:
         tokens = self.rng.integers(4, self.vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)
-        return {"tokens": tokens, "mask": np.ones_like(tokens, bool)}
+        index = np.zeros(PROMPTS, np.int32)
+        return {"tokens": tokens, "mask": np.ones_like(tokens, bool), "index": index}
 
 
 def _config(workload: str, preset: str, rm_dir: str | None, out: str, placement: str = "all"):
@@ -156,7 +160,7 @@ def run(
         if baseline is not None and i % 2:
             torch_rows.append(baseline.step(next(torch_prompts)["tokens"], seed=i + 1))
         cpu = time.process_time()
-        rows.append(trainer.step())
+        rows.append(trainer.step().metrics)
         cpu_s.append(time.process_time() - cpu)
         if baseline is not None and not i % 2:
             torch_rows.append(baseline.step(next(torch_prompts)["tokens"], seed=i + 1))
@@ -199,10 +203,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.cpu_devices < 1:
         parser.error("--cpu-devices must be >= 1")
-    if args.cpu_devices > 1 and set_cpu_devices(args.cpu_devices) is not None:
+    if args.cpu_devices > 1 and jaxrlhf_platform.set_cpu_devices(args.cpu_devices) is not None:
         parser.error("--cpu-devices: JAX has already started")  # set before JAX starts
     placements = ["all"] if args.cpu_devices == 1 else ["one", "split"]
-    host = host_memory.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
+    host = jaxrlhf_platform.reuse_freed_host_memory()  # as `python -m jaxrlhf.train` on CPU
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

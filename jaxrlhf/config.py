@@ -31,34 +31,37 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import textwrap
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from jaxrlhf.data.config import DataConfig, TokenizerConfig
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tasks import BUILTIN_TASKS
-from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, resolve_mesh_shape
-from jaxrlhf.sharding.placement import (
-    PlacementConfig,
-    check_cpu_devices,
-    generate_shards,
-    train_device_count,
+from jaxrlhf.sharding.placement import PlacementConfig, generate_shards, train_device_count
+from jaxrlhf.train.config import (
+    CheckpointConfig,
+    DPOConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    RewardModelConfig,
+    SFTConfig,
+    TrainConfig,
 )
-from jaxrlhf.train.config import CheckpointConfig, LoggingConfig, TrainConfig
-from jaxrlhf.train.dpo import DPOConfig
-from jaxrlhf.train.optim import OptimizerConfig
-from jaxrlhf.train.reward_model import RewardModelConfig
-from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
-from jaxrlhf.train.sft import SFTConfig
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout, rl_layout
+
+if TYPE_CHECKING:  # models/ is loaded only when a model config is resolved
+    from jaxrlhf.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("sft", "reward_model", "dpo", "ppo", "grpo")
 RL_ALGORITHMS = ("ppo", "grpo")
@@ -111,6 +114,8 @@ class ModelSpec:
 
     def resolve(self) -> ModelConfig:
         """The ModelConfig (reads ``hf_dir/config.json``; no weights, no devices)."""
+        from jaxrlhf.models.config import ModelConfig
+
         if self.hf_dir is not None:
             from jaxrlhf.models.hf_config import load_hf_config
 
@@ -291,6 +296,8 @@ _MODEL_SPEC_KEYS = ("preset", "hf_dir", "family")
 
 
 def _build_model(data: Any, path: str, ctx: _Context) -> ModelSpec:
+    from jaxrlhf.models.config import ModelConfig
+
     if not isinstance(data, Mapping):
         ctx.fail(path, f"expected a mapping, got {data!r}")
     hints = typing.get_type_hints(ModelConfig)
@@ -360,26 +367,20 @@ def _deep_copy(data: Any) -> Any:
 
 
 def from_dict(
-    data: Mapping[str, Any],
-    *,
-    source: str = "<config>",
-    override_paths: Iterable[str] = (),
-    device_count: int | None = None,
-    all_devices: int | None = None,
+    data: Mapping[str, Any], *, source: str = "<config>", override_paths: Iterable[str] = ()
 ) -> RunConfig:
-    """A validated RunConfig from a parsed YAML mapping.
+    """A typed RunConfig from a parsed YAML mapping; each section checks its own fields.
+
+    Checks across sections and against the devices are :func:`validate`'s, which every run
+    (and the dry run) calls once before anything else.
 
     Args:
       data: the mapping (sections as nested mappings).
       source: the file name used in error messages.
       override_paths: fields set on the command line (their errors name ``command line``).
-      device_count: devices the training mesh must match; None: ``jax.device_count()``, or
-        its first ``placement.train_devices``.
-      all_devices: devices of the whole run, which ``placement.generate_mesh`` covers;
-        None: ``jax.device_count()``.
 
     Raises:
-      ConfigError: unknown keys, wrong types, invalid values or inconsistent sections.
+      ConfigError: unknown keys, wrong types or invalid values.
     """
     ctx = _Context(source, override_paths)
     if not isinstance(data, Mapping):
@@ -388,28 +389,18 @@ def from_dict(
     if cfg.output_dir is None:
         stem = os.path.splitext(os.path.basename(source))[0] if source != "<config>" else ""
         cfg = cfg.replace(output_dir=os.path.join("runs", stem or cfg.algorithm))
-    validate(
-        cfg,
-        source=source,
-        override_paths=override_paths,
-        device_count=device_count,
-        all_devices=all_devices,
-    )
     return cfg
 
 
-def load_config(
-    path: str,
-    overrides: Iterable[str] = (),
-    *,
-    device_count: int | None = None,
-    all_devices: int | None = None,
-) -> RunConfig:
-    """Reads ``path`` (YAML), applies ``overrides`` and validates (see :func:`from_dict`)."""
+def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
+    """Reads ``path`` (YAML) and applies ``overrides`` (see :func:`from_dict`)."""
     data, paths = read_config(path, overrides)
-    return from_dict(
-        data, source=path, override_paths=paths, device_count=device_count, all_devices=all_devices
-    )
+    return from_dict(data, source=path, override_paths=paths)
+
+
+def override_paths(overrides: Iterable[str]) -> list[str]:
+    """The field paths that ``key=value`` overrides set (for error attribution)."""
+    return [parse_override(text)[0] for text in overrides]
 
 
 def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
@@ -436,56 +427,44 @@ def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any
     return apply_overrides(data, overrides)
 
 
-def _validate_generate_mesh(cfg: RunConfig, ctx: _Context, all_devices: int | None) -> None:
-    """``placement.generate_mesh`` fits the devices and splits the prompts evenly. Like the
-    ``ppo``/``grpo`` sections, it is unused by the other algorithms (so one override can
-    serve every stage of a pipeline)."""
-    if cfg.placement.generate_mesh is None or cfg.algorithm not in RL_ALGORITHMS:
-        return
-    if cfg.placement.generate_mesh.axis_type != "auto":
-        ctx.fail(
-            "placement.generate_mesh.axis_type",
-            "the sampler's sharding rules need 'auto' axes (jaxrlhf's rule-based sharding)",
-        )
-    if all_devices is None:
-        import jax
+@dataclasses.dataclass(frozen=True)
+class RunLayout:
+    """Everything a run derives from its config and devices (:func:`validate`'s result),
+    computed once and used by the trainers and the dry run.
 
-        all_devices = jax.device_count()
-    try:
-        shards = generate_shards(cfg.placement, all_devices)
-    except MeshError as e:
-        ctx.fail("placement.generate_mesh", str(e))
-    prompts = getattr(cfg, cfg.algorithm).rollout.prompts_per_step
-    if prompts % shards:
-        ctx.fail(
-            "placement.generate_mesh",
-            f"its {shards} data shard(s) (data x fsdp) do not divide "
-            f"{cfg.algorithm}.rollout.prompts_per_step = {prompts}",
-        )
-
-
-def data_shards(cfg: RunConfig, device_count: int) -> int:
-    """Devices the batch is split over: mesh ``data x fsdp``."""
-    data, fsdp, _ = resolve_mesh_shape(cfg.mesh, device_count)
-    return data * fsdp
-
-
-def validate(
-    cfg: RunConfig,
-    *,
-    source: str = "<config>",
-    override_paths: Iterable[str] = (),
-    device_count: int | None = None,
-    all_devices: int | None = None,
-) -> ModelConfig:
-    """Cross-section checks, before any device work; returns the resolved ModelConfig.
-
-    Raises:
-      ConfigError: the model cannot be resolved, sequence lengths exceed the model's
-        positions, the mesh does not match the devices, batch sizes do not split into
-        micro-batches x data shards, or the warmup is longer than the run.
+    Attributes:
+      model: the resolved model config (``model.preset`` or ``model.hf_dir/config.json``).
+      devices: devices of the whole run (a sampler with its own mesh spans them all).
+      train_devices: devices of the training mesh (the first ones).
+      mesh_shape: the training mesh's ``(data, fsdp, tensor)`` sizes.
+      data_shards: the training mesh's ``data x fsdp``, over which batches are split.
+      generate_shards: data shards of the sampler's own mesh (``placement.generate_mesh``);
+        None: the sampler uses the training mesh.
+      num_micro: gradient-accumulation micro-batches per update (RL: per minibatch).
+      rl: the RL sizes (PPO and GRPO), else None.
     """
-    ctx = _Context(source, override_paths)
+
+    model: ModelConfig
+    devices: int
+    train_devices: int
+    mesh_shape: tuple[int, int, int]
+    data_shards: int
+    generate_shards: int | None
+    num_micro: int
+    rl: RLLayout | None = None
+
+
+def _fail_with_field(ctx: _Context, message: str) -> typing.NoReturn:
+    """A component's ``"field.path: problem"`` ValueError as a ConfigError."""
+    field, sep, problem = message.partition(": ")
+    if sep and re.fullmatch(r"[A-Za-z_][\w.]*", field):
+        ctx.fail(field, problem)
+    ctx.fail("", message)
+
+
+def _check_model(cfg: RunConfig, ctx: _Context) -> ModelConfig:
+    from jaxrlhf.models.safetensors_io import CheckpointError
+
     try:
         model_cfg = cfg.model.resolve()
     except CheckpointError as e:
@@ -498,6 +477,18 @@ def validate(
             f"{cfg.data.max_length} exceeds the model's max_position_embeddings "
             f"({model_cfg.max_position_embeddings})",
         )
+    if cfg.algorithm in RL_ALGORITHMS:
+        total = cfg.data.max_prompt_length + _rl_section(cfg).rollout.max_new_tokens
+        if total > model_cfg.max_position_embeddings:
+            ctx.fail(
+                f"{cfg.algorithm}.rollout.max_new_tokens",
+                f"data.max_prompt_length + {cfg.algorithm}.rollout.max_new_tokens = {total} "
+                f"exceeds the model's {model_cfg.max_position_embeddings} positions",
+            )
+    return model_cfg
+
+
+def _check_data(cfg: RunConfig, ctx: _Context) -> None:
     for field in ("train", "eval"):
         src = getattr(cfg.data, field)
         if src is not None and src.startswith(BUILTIN_PREFIX):
@@ -507,34 +498,60 @@ def validate(
                     f"data.{field}",
                     f"unknown built-in task {task!r} (expected one of {list(BUILTIN_TASKS)})",
                 )
-    if device_count is None:  # a real run: check the placement against this process's JAX
+
+
+def _device_counts(
+    cfg: RunConfig, devices: int | None, train_devices: int | None, ctx: _Context
+) -> tuple[int, int]:
+    """``(devices of the run, devices of the training mesh)``."""
+    placement = cfg.placement
+    if devices is None:  # a real run: check the placement against this process's JAX
         import jax
 
+        from jaxrlhf.platform import check_cpu_devices
+
         try:
-            check_cpu_devices(cfg.placement)
+            check_cpu_devices(placement.cpu_devices)
         except MeshError as e:
             ctx.fail("placement.cpu_devices", str(e).split(": ", 1)[1])
-        if cfg.placement.train_devices not in (-1, jax.device_count()) and (
-            jax.process_count() > 1
-        ):
+        if placement.train_devices not in (-1, jax.device_count()) and jax.process_count() > 1:
             ctx.fail("placement.train_devices", "only single-process runs can use a subset")
-        try:
-            device_count = train_device_count(cfg.placement, jax.device_count())
-        except MeshError as e:
-            ctx.fail("placement.train_devices", str(e))
+        devices = jax.device_count()
+    if train_devices is not None:
+        return devices, train_devices
     try:
-        shards = data_shards(cfg, device_count)
+        return devices, train_device_count(placement, devices)
     except MeshError as e:
-        subset = cfg.placement.train_devices
+        ctx.fail("placement.train_devices", str(e))
+
+
+def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
+    """Data shards of ``placement.generate_mesh`` (None: none); it must fit the devices and
+    split the prompts evenly. Like the ``ppo``/``grpo`` sections, it is unused by the other
+    algorithms (so one override can serve every stage of a pipeline)."""
+    if cfg.placement.generate_mesh is None or cfg.algorithm not in RL_ALGORITHMS:
+        return None
+    if cfg.placement.generate_mesh.axis_type != "auto":
         ctx.fail(
-            "mesh", str(e) + (f" (placement.train_devices = {subset})" if subset != -1 else "")
+            "placement.generate_mesh.axis_type",
+            "the sampler's sharding rules need 'auto' axes (jaxrlhf's rule-based sharding)",
         )
-    _validate_generate_mesh(cfg, ctx, all_devices)
+    try:
+        shards = generate_shards(cfg.placement, devices)
+    except MeshError as e:
+        ctx.fail("placement.generate_mesh", str(e))
+    prompts = _rl_section(cfg).rollout.prompts_per_step
+    if prompts % shards:
+        ctx.fail(
+            "placement.generate_mesh",
+            f"its {shards} data shard(s) (data x fsdp) do not divide "
+            f"{cfg.algorithm}.rollout.prompts_per_step = {prompts}",
+        )
+    return shards
+
+
+def _supervised_micro_batches(cfg: RunConfig, shards: int, ctx: _Context) -> int:
     t = cfg.train
-    if cfg.algorithm in ("ppo", "grpo"):
-        # RL batches are rollouts: their sizes are checked against the mesh when the
-        # trainer is built (rows per minibatch, micro-batches); batch_size is unused.
-        return model_cfg
     if t.micro_batch_size is None:
         if t.batch_size % shards:
             ctx.fail(
@@ -558,15 +575,78 @@ def validate(
             "optimizer.warmup_steps",
             f"{cfg.optimizer.warmup_steps} exceeds train.steps ({t.steps})",
         )
-    return model_cfg
+    return 1 if t.micro_batch_size is None else t.batch_size // (t.micro_batch_size * shards)
 
 
-def num_micro_batches(cfg: RunConfig, shards: int) -> int:
-    """Accumulation steps per update."""
-    t = cfg.train
-    if t.micro_batch_size is None:
-        return 1
-    return t.batch_size // (t.micro_batch_size * shards)
+def _rl_section(cfg: RunConfig) -> PPOConfig | GRPOConfig:
+    return cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+
+
+def validate(
+    cfg: RunConfig,
+    devices: int | None = None,
+    *,
+    train_devices: int | None = None,
+    source: str = "<config>",
+    override_paths: Iterable[str] = (),
+) -> RunLayout:
+    """Every check across sections and against the devices, before any device work; returns
+    what the run derives (:class:`RunLayout`). Call it once per run.
+
+    Args:
+      cfg: the config.
+      devices: devices of the whole run; None: this process's JAX devices (a real run: the
+        placement's ``cpu_devices`` and process count are checked against JAX too).
+      train_devices: devices of a training mesh passed in code; None: the placement's
+        ``train_devices`` of ``devices``.
+      source, override_paths: where the config came from, for the messages.
+
+    Raises:
+      ConfigError: the model cannot be resolved, sequence lengths exceed the model's
+        positions, the meshes do not fit the devices, batch or rollout sizes do not split into
+        micro-batches x data shards, or the warmup is longer than the run (one line each).
+    """
+    ctx = _Context(source, override_paths)
+    model_cfg = _check_model(cfg, ctx)
+    _check_data(cfg, ctx)
+    devices, train = _device_counts(cfg, devices, train_devices, ctx)
+    try:
+        shape = resolve_mesh_shape(cfg.mesh, train)
+    except MeshError as e:
+        subset = cfg.placement.train_devices
+        ctx.fail(
+            "mesh", str(e) + (f" (placement.train_devices = {subset})" if subset != -1 else "")
+        )
+    shards = shape[0] * shape[1]
+    generate = _generate_shards(cfg, devices, ctx)
+    rl = None
+    if cfg.algorithm in RL_ALGORITHMS:
+        # RL batches are rollouts: train.batch_size is unused.
+        try:
+            rl = rl_layout(
+                _rl_section(cfg),
+                section=cfg.algorithm,
+                shards=shards,
+                micro_batch_size=cfg.train.micro_batch_size,
+                iterations=cfg.train.steps,
+            )
+        except ValueError as e:
+            _fail_with_field(ctx, str(e))
+        for note in rl.notes:
+            logger.warning("%s: %s", ctx.source_of(f"{cfg.algorithm}.rollout"), note)
+        num_micro = rl.num_micro
+    else:
+        num_micro = _supervised_micro_batches(cfg, shards, ctx)
+    return RunLayout(
+        model=model_cfg,
+        devices=devices,
+        train_devices=train,
+        mesh_shape=shape,
+        data_shards=shards,
+        generate_shards=generate,
+        num_micro=num_micro,
+        rl=rl,
+    )
 
 
 # ---- writing -----------------------------------------------------------------------------

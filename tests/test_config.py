@@ -16,10 +16,12 @@ from jaxrlhf.config import (
     dump_config,
     from_dict,
     load_config,
+    override_paths,
     parse_override,
+    validate,
 )
 from jaxrlhf.train.__main__ import main
-from jaxrlhf.train.loop import TRAINERS
+from jaxrlhf.train.supervised import OBJECTIVES as TRAINERS
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_*.yaml")))
 BASE = {
@@ -35,10 +37,17 @@ def _write(tmp_path, data, name="run.yaml"):
     return str(path)
 
 
+def _load(path, overrides=(), device_count=8):
+    """``load_config`` and ``validate`` for ``device_count`` devices, as a run does."""
+    cfg = load_config(path, overrides)
+    validate(cfg, device_count, source=path, override_paths=override_paths(overrides))
+    return cfg
+
+
 def _error(tmp_path, data, overrides=(), device_count=8):
     path = _write(tmp_path, data)
     with pytest.raises(ConfigError) as e:
-        load_config(path, overrides, device_count=device_count)
+        _load(path, overrides, device_count)
     message = str(e.value)
     assert "\n" not in message
     return message.replace(path, "FILE")
@@ -56,7 +65,7 @@ def _merge(**sections):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_tiny_configs_load_and_start_with_the_command(path):
-    cfg = load_config(path, device_count=8)
+    cfg = _load(path)
     assert cfg.algorithm in ALGORITHMS
     with open(path) as f:
         head = f.read().split("\nalgorithm:")[0]
@@ -66,13 +75,12 @@ def test_tiny_configs_load_and_start_with_the_command(path):
 
 def test_every_trainer_has_a_tiny_config():
     assert {"sft", "reward_model", "dpo"} <= set(TRAINERS) <= set(ALGORITHMS)
-    assert set(TRAINERS) <= {load_config(p, device_count=8).algorithm for p in CONFIGS}
+    assert set(TRAINERS) <= {_load(p).algorithm for p in CONFIGS}
 
 
 def test_sections_are_typed_and_defaults_filled(tmp_path):
-    cfg = load_config(
+    cfg = _load(
         _write(tmp_path, _merge(optimizer={"lr": "1e-5"}, model={"hidden_size": 64})),
-        device_count=8,
     )
     assert cfg.optimizer.lr == 1e-5 and isinstance(
         cfg.optimizer.lr, float
@@ -83,7 +91,7 @@ def test_sections_are_typed_and_defaults_filled(tmp_path):
 
 def test_overrides_set_and_bare_forms(tmp_path):
     path = _write(tmp_path, BASE)
-    cfg = load_config(
+    cfg = _load(
         path,
         [
             "optimizer.lr=2e-4",
@@ -92,7 +100,6 @@ def test_overrides_set_and_bare_forms(tmp_path):
             "model.family=gpt2",
             "mesh.data=2",
         ],
-        device_count=8,
     )
     assert cfg.optimizer.lr == 2e-4
     assert cfg.train.steps == 7
@@ -103,11 +110,11 @@ def test_overrides_set_and_bare_forms(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(CONFIGS[0], ["optimizer.lr=0.01", "model.num_layers=3"], device_count=8)
+    cfg = _load(CONFIGS[0], ["optimizer.lr=0.01", "model.num_layers=3"])
     out = tmp_path / "config.yaml"
     dump_config(cfg, str(out), header="resolved")
     assert out.read_text().startswith("# resolved\n")
-    assert load_config(str(out), device_count=8) == cfg
+    assert _load(str(out)) == cfg
 
 
 # ---- one test per validation rule --------------------------------------------------------
@@ -174,7 +181,7 @@ def test_batch_size_not_divisible_by_data_shards(tmp_path):
     )
     # Tensor parallelism does not split the batch: 4 data shards divide 12.
     path = _write(tmp_path, _merge(train={"batch_size": 12}, mesh={"fsdp": -1, "tensor": 2}))
-    assert load_config(path, device_count=8).train.batch_size == 12
+    assert _load(path).train.batch_size == 12
 
 
 def test_eval_batch_size_not_divisible_by_data_shards(tmp_path):
@@ -238,8 +245,8 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_programmatic_config_is_validated_the_same_way():
     with pytest.raises(ConfigError, match=r"^<config>: train.steps: must be >= 1, got 0$"):
-        from_dict(dict(BASE, train={"steps": 0}), device_count=8)
-    assert isinstance(from_dict(BASE, device_count=8), RunConfig)
+        from_dict(dict(BASE, train={"steps": 0}))
+    assert isinstance(from_dict(BASE), RunConfig)
 
 
 # ---- CLI -----------------------------------------------------------------------------------

@@ -186,14 +186,14 @@ def test_every_block_has_a_known_language() -> None:
 
 
 def test_yaml_blocks_are_valid_configs() -> None:
-    from jaxrlhf.config import from_dict
+    from jaxrlhf.config import from_dict, validate
 
     for b in ALL_BLOCKS:
         if b.lang != "yaml" or b.not_run:
             continue
         data = yaml.safe_load(b.code)
         if isinstance(data, dict) and "algorithm" in data:
-            from_dict(data, source=b.where, device_count=1)
+            validate(from_dict(data, source=b.where), 1, source=b.where)
 
 
 def test_relative_links_resolve() -> None:

@@ -161,7 +161,7 @@ PROBE = {
         overrides = [f"{k}={got[k]}" for k in QUICKSTART_OWN_FIELDS if got.get(k) is not None]
         for filename in QUICKSTART_FILES[name]:
             path = ROOT / "configs" / "quickstart" / filename
-            want = _flatten(to_dict(load_config(str(path), overrides, device_count=1)))
+            want = _flatten(to_dict(load_config(str(path), overrides)))
             differ = {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys()}
             differ = {k: v for k, v in differ.items() if v[0] != v[1]}
             assert not differ, f"notebook {name} vs {path.name} (notebook, file): {differ}"

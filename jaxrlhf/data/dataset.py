@@ -8,7 +8,9 @@ Batch layouts (numpy, padded to a fixed length so each jitted step compiles once
   sequence, 1 the rejected one. Stacking (rather than two batches) keeps each pair on the
   same device when the batch axis is sharded, so ``reshape(2B, T)`` in the step is free.
 * Prompt (generation): ``tokens [B, P]`` left-padded, so every prompt ends at the same
-  column and generation appends after it; ``mask [B, P]``.
+  column and generation appends after it; ``mask [B, P]``; ``index [B]`` int32, each row's
+  record in ``TokenizedDataset.records`` (-1 for padding), where a reward function finds the
+  record's other columns.
 
 A row index of -1 gives an all-padding row (every mask False); evaluation uses it to fill
 its last batch. Per-example arrays added later (e.g. DPO reference log-probs) live in
@@ -111,7 +113,7 @@ class TokenizedDataset:
             prompt = self.prompts[i]
             tokens[row, length - len(prompt) :] = prompt
             mask[row, length - len(prompt) :] = True
-        return {"tokens": tokens, "mask": mask}
+        return {"tokens": tokens, "mask": mask, "index": indices.astype(np.int32)}
 
 
 @dataclasses.dataclass(frozen=True)

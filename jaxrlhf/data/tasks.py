@@ -1,28 +1,100 @@
-"""Built-in tasks: synthetic text problems with programmatic rewards, generated on the fly.
+"""Built-in tasks: synthetic text problems, their answers and their graded scores.
 
 Nothing is downloaded. A source ``builtin:sort`` or ``builtin:add`` in the data config
 yields records of the kind the trainer needs:
 
 * SFT: ``{"prompt", "response"}`` with the correct answer;
 * preference: ``{"prompt", "chosen", "rejected"}`` where two candidates (the correct
-  answer or a perturbation of it: swapped, replaced, dropped or inserted digits) are scored
-  with the task's reward (``jaxrlhf.rewards``) and the higher one is chosen, so the pairs
-  range from easy (right vs. garbled) to subtle (one swap vs. two);
-* prompt: ``{"prompt", "answer"}`` for RL.
+  answer or a perturbation of it: swapped, replaced, dropped or inserted digits) are graded
+  (:func:`grade`) and the higher one is chosen, so the pairs range from easy (right vs.
+  garbled) to subtle (one swap vs. two);
+* prompt: ``{"prompt", "answer"}`` for RL; the ``answer`` column reaches reward functions
+  as a keyword argument (``jaxrlhf.rewards``).
 
 Problems are small enough for a 2-layer, width-64 model to learn in a few hundred steps on
 a CPU: ``sort`` asks for 3-6 digits in ascending order (``"sort 31415:"`` -> ``"11345"``),
 ``add`` for the sum of two numbers below 100 (``"add 23+58="`` -> ``"81"``).
+
+Grades give partial credit, so that a policy that is almost right gets more reward than one
+that is far off (RL needs that signal), and exactly 1.0 only to the correct answer:
+
+* ``sort``: ``0.7 * positional + 0.3 * multiset``, where ``positional`` is the fraction of
+  positions holding the right digit and ``multiset`` the fraction of digits that are the
+  right ones in any order, both over ``max(len(answer), len(completion))``.
+* ``add``: the fraction of digit positions (aligned from the least significant digit) that
+  match, over the longer of answer and completion; a completion with a non-digit character
+  gets 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import re
+from collections import Counter
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
 
-from jaxrlhf.rewards.tasks import ANSWERS, REWARDS
+_SORT = re.compile(r"sort (\d+):")
+_ADD = re.compile(r"add (\d+)\+(\d+)=")
+
+
+def sort_answer(prompt: str) -> str:
+    """The correct answer to a sort prompt."""
+    m = _SORT.search(prompt)
+    if m is None:
+        raise ValueError(f"not a sort prompt: {prompt!r}")
+    return "".join(sorted(m.group(1)))
+
+
+def add_answer(prompt: str) -> str:
+    """The correct answer to an addition prompt."""
+    m = _ADD.search(prompt)
+    if m is None:
+        raise ValueError(f"not an add prompt: {prompt!r}")
+    return str(int(m.group(1)) + int(m.group(2)))
+
+
+def grade_sort(answer: str, completion: str) -> float:
+    """Graded score of ``completion`` against a sort ``answer`` (module docstring)."""
+    pred = completion.strip()
+    n = max(len(answer), len(pred))
+    if n == 0:
+        return 1.0
+    positional = sum(p == t for p, t in zip(pred, answer, strict=False)) / n
+    overlap = sum((Counter(pred) & Counter(answer)).values()) / n
+    return 0.7 * positional + 0.3 * overlap
+
+
+def grade_add(answer: str, completion: str) -> float:
+    """Graded score of ``completion`` against an addition ``answer`` (module docstring)."""
+    pred = completion.strip()
+    if not pred or not pred.isdigit():
+        return 0.0
+    n = max(len(answer), len(pred))
+    return sum(p == t for p, t in zip(reversed(pred), reversed(answer), strict=False)) / n
+
+
+ANSWERS: dict[str, Callable[[str], str]] = {"sort": sort_answer, "add": add_answer}
+GRADERS: dict[str, Callable[[str, str], float]] = {"sort": grade_sort, "add": grade_add}
+
+
+def grade(task: str, answer: str, completion: str) -> float:
+    """Graded score in [0, 1] of ``completion`` for built-in ``task`` given its ``answer``."""
+    if task not in GRADERS:
+        raise ValueError(f"unknown built-in task {task!r}; expected one of {sorted(GRADERS)}")
+    return GRADERS[task](answer, completion)
+
+
+def sort_reward(prompt: str, completion: str) -> float:
+    """Graded score of ``completion`` for a sort prompt (the answer derived from it)."""
+    return grade_sort(sort_answer(prompt), completion)
+
+
+def add_reward(prompt: str, completion: str) -> float:
+    """Graded score of ``completion`` for an addition prompt (the answer derived from it)."""
+    return grade_add(add_answer(prompt), completion)
+
 
 BUILTIN_TASKS = ("sort", "add")
 RECORD_KINDS = ("sft", "preference", "prompt")
@@ -87,7 +159,6 @@ def builtin_records(
     if kind not in RECORD_KINDS:
         raise ValueError(f"unknown record kind {kind!r}; expected one of {RECORD_KINDS}")
     rng = np.random.default_rng([seed, BUILTIN_TASKS.index(task)])
-    reward = REWARDS[task]
     excluded = set(exclude_prompts)
     records: list[dict[str, Any]] = []
     attempts = 0
@@ -104,7 +175,7 @@ def builtin_records(
             records.append({"prompt": prompt, "answer": answer})
         else:
             a, b = _candidate(answer, rng), _candidate(answer, rng)
-            ra, rb = reward(prompt, a), reward(prompt, b)
+            ra, rb = grade(task, answer, a), grade(task, answer, b)
             if ra == rb:
                 continue
             chosen, rejected = (a, b) if ra > rb else (b, a)

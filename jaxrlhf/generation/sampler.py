@@ -42,18 +42,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
-import os
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
+from jaxrlhf import platform
 from jaxrlhf.generation import decode as decode_lib
 from jaxrlhf.generation.cache import (
     DecodeCache,
@@ -352,40 +351,10 @@ def finalize(state: SamplerState, arrays: dict[str, jax.Array]) -> SampleOutput:
 
 
 def default_matmul_block(devices: Any) -> int:
-    """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices).
-
-    Weight blocks (``decode.decode_weights``) speed up a matmul that one core runs over
-    weights streamed from memory. They are used where the sampler has at least as many CPU
-    devices as the process has cores, so that each device's matmuls run on about one core:
-    with more cores than devices XLA:CPU splits a plain matmul over several threads, which
-    the batched one of the blocks does not match (G1 bench-S on one device and two cores:
-    523 ms plain against 660 ms blocked; on two devices 449 against 392 ms, see
-    benchmarks/RESULTS.md). Accelerators keep the plain kernels (blocks are unmeasured
-    there, and the dry run plans accelerator programs).
-    """
-    if isinstance(devices, AbstractMesh):  # no devices to look at: plan as an accelerator
-        return 0
-    devices = list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
-    if any(d.platform != "cpu" for d in devices):
-        return 0
-    return decode_lib.CPU_MATMUL_BLOCK if len(devices) >= usable_cores() else 0
-
-
-def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """CPU cores this process may run on: its affinity mask, capped by the cgroup v2 CPU
-    quota in ``cpu_max`` (a container limited to 2 CPUs on a large host counts 2)."""
-    if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-    else:
-        cores = os.cpu_count() or 1
-    try:
-        with open(cpu_max) as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(cores, 1)
+    """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices):
+    ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks` says weight
+    blocks pay off there, else 0 (the kernels' own layout)."""
+    return decode_lib.CPU_MATMUL_BLOCK if platform.decode_weight_blocks(devices) else 0
 
 
 # ---- the sampler object (outside jit) ---------------------------------------------------
@@ -464,7 +433,7 @@ class Sampler:
 
     # -- compiled functions --------------------------------------------------------------
 
-    def _prefill_fn(self, statics: SamplingStatics, batch: int, prompt_len: int) -> Any:
+    def prefill_program(self, statics: SamplingStatics, batch: int, prompt_len: int) -> Any:
         """Jitted ``init_state``; one per (n, max_new_tokens, model log-probs, shape)."""
         # Prefill does not depend on how tokens are chosen: one program for all of them.
         statics = dataclasses.replace(statics, greedy=False, use_top_k=False, use_top_p=False)
@@ -482,7 +451,9 @@ class Sampler:
                 )
         return self._jitted[key]
 
-    def _decode_fn(self, statics: SamplingStatics, loop: str, batch: int, prompt_len: int) -> Any:
+    def decode_program(
+        self, statics: SamplingStatics, loop: str, batch: int, prompt_len: int
+    ) -> Any:
         """Jitted ``decode_loop`` + ``finalize``; one per (statics, loop, shape)."""
         if loop not in LOOPS:
             raise ValueError(f"loop={loop!r} is not one of {list(LOOPS)}")
@@ -609,7 +580,7 @@ class Sampler:
         prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
         prompt_mask = jnp.asarray(prompt_mask, bool)
         _check_prompts(prompt_tokens, prompt_mask)
-        prefill_fn = self._prefill_fn(sampling.static(), *prompt_tokens.shape)
+        prefill_fn = self.prefill_program(sampling.static(), *prompt_tokens.shape)
         return prefill_fn(params, prompt_tokens, prompt_mask, key)
 
     def decode(
@@ -621,7 +592,7 @@ class Sampler:
           ``(final_state, output)``; the output's prompt fields are None (``generate``
           fills them).
         """
-        decode_fn = self._decode_fn(sampling.static(), loop, *state.prefix_mask.shape)
+        decode_fn = self.decode_program(sampling.static(), loop, *state.prefix_mask.shape)
         return decode_fn(params, state, sampling.arrays())
 
 

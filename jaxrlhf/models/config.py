@@ -155,7 +155,7 @@ class ModelConfig:
             num_kv_heads=2,
             max_position_embeddings=128,
         )
-        base.update(_FAMILY_TRAITS[family])
+        base.update(FAMILY_TRAITS[family])
         if family == "gpt2":
             base["num_kv_heads"] = None
         if family == "gemma":
@@ -322,7 +322,7 @@ class ModelConfig:
                 num_kv_heads=1,
                 head_dim=256,
                 max_position_embeddings=8192,
-                **_FAMILY_TRAITS["gemma"],
+                **FAMILY_TRAITS["gemma"],
                 bos_token_id=2,
                 eos_token_id=1,
                 pad_token_id=0,
@@ -341,7 +341,7 @@ class ModelConfig:
                 num_layers=12,
                 num_heads=12,
                 max_position_embeddings=1024,
-                **_FAMILY_TRAITS["gpt2"],
+                **FAMILY_TRAITS["gpt2"],
                 bos_token_id=50256,
                 eos_token_id=50256,
             )
@@ -350,7 +350,7 @@ class ModelConfig:
 
 
 # Architectural traits that distinguish the families (everything else is a size).
-_FAMILY_TRAITS: dict[str, dict[str, Any]] = {
+FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "llama": dict(),
     "mistral": dict(),
     "qwen2": dict(qkv_bias=True),

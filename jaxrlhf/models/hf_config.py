@@ -200,9 +200,9 @@ def from_hf_config(
         ours: hf[theirs] for theirs, ours in mapping.items() if hf.get(theirs) is not None
     }
     fields.setdefault("tie_embeddings", family in ("gemma", "gpt2"))
-    from jaxrlhf.models.config import _FAMILY_TRAITS  # family traits are config-internal
+    from jaxrlhf.models.config import FAMILY_TRAITS
 
-    traits = dict(_FAMILY_TRAITS[family])
+    traits = dict(FAMILY_TRAITS[family])
     if family == "gpt2":
         fields.setdefault("intermediate_size", 4 * fields["hidden_size"])
     else:

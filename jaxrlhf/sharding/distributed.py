@@ -248,3 +248,18 @@ def process_local_slice(mesh: Mesh, spec: P, global_shape: Sequence[int]) -> tup
             f" shape {shape} under {spec}"
         )
     return tuple(slice(start, stop) for start, stop in zip(lo, hi, strict=True))
+
+
+def put_global(tree: Any, shardings: Any) -> Any:
+    """A host pytree (the whole value of every leaf, the same on every process) as global
+    arrays in ``shardings`` (a matching pytree of NamedShardings): ``jax.device_put`` with one
+    process; with several, each process places the block its devices hold."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(x: Any, sharding: NamedSharding) -> jax.Array:
+        x = np.asarray(x)
+        local = x[process_local_slice(sharding.mesh, sharding.spec, x.shape)]
+        return global_batch_from_local(local, sharding.mesh, sharding.spec)
+
+    return jax.tree.map(put, tree, shardings)

@@ -12,7 +12,7 @@ section changes that:
   through host memory, as they already do for rewards.
 * ``cpu_devices``: on CPU, the number of JAX devices the process splits the host into
   (``jax_num_cpu_devices``). It must be set before JAX starts: ``python -m jaxrlhf.train``
-  does so from the config; in Python call :func:`set_cpu_devices` first.
+  does so from the config; in Python call :func:`jaxrlhf.platform.set_cpu_devices` first.
 
 Why: on a CPU the decode loop runs ~60 small operations per token, and XLA:CPU splits each
 over the cores with a synchronisation per operation, so a second core adds little (bench-S
@@ -29,15 +29,12 @@ trains on one device and samples on two (benchmarks/RESULTS.md has the figures).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
 
+from jaxrlhf.platform import check_cpu_devices
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, make_mesh, resolve_mesh_shape
-
-if TYPE_CHECKING:  # jaxrlhf.config imports this module
-    from jaxrlhf.config import RunConfig
 
 _ALL = -1
 
@@ -92,7 +89,7 @@ def train_mesh(mesh: MeshConfig, placement: PlacementConfig) -> Mesh:
       MeshError: the shape does not fit, or ``train_devices`` is set in a multi-process run
         (each process would need the same leading devices of its own).
     """
-    check_cpu_devices(placement)
+    check_cpu_devices(placement.cpu_devices)
     if placement.train_devices in (_ALL, jax.device_count()):
         return make_mesh(mesh)  # all devices, in jax.make_mesh's topology-aware order
     if jax.process_count() > 1:
@@ -105,15 +102,15 @@ def train_mesh(mesh: MeshConfig, placement: PlacementConfig) -> Mesh:
     return make_mesh(mesh, devices[:count])
 
 
-def given_mesh(cfg: RunConfig, mesh: Mesh, source: str) -> None:
+def given_mesh(placement: PlacementConfig, mesh: Mesh, source: str) -> None:
     """Checks a training mesh passed in code (``build_trainer(cfg, mesh=...)``, which takes
-    precedence over ``mesh`` and ``placement.train_devices``) against ``cfg.placement``.
+    precedence over ``mesh`` and ``placement.train_devices``) against ``placement``.
 
     Raises:
       MeshError: ``train_devices`` names another size, or JAX lacks ``cpu_devices``.
     """
-    check_cpu_devices(cfg.placement)
-    wanted = cfg.placement.train_devices
+    check_cpu_devices(placement.cpu_devices)
+    wanted = placement.train_devices
     if wanted not in (_ALL, mesh.size):
         raise MeshError(
             f"{source}: placement.train_devices: {wanted}, but the mesh passed in has "
@@ -138,34 +135,3 @@ def generate_shards(placement: PlacementConfig, device_count: int) -> int | None
         return None
     data, fsdp, _ = resolve_mesh_shape(placement.generate_mesh, device_count)
     return data * fsdp
-
-
-def set_cpu_devices(count: int) -> str | None:
-    """Asks JAX for ``count`` CPU devices; call it before JAX starts (first computation).
-
-    Returns:
-      None when set; otherwise why not: JAX has already started (its device count is fixed).
-    """
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        return "JAX has already started"
-    return None
-
-
-def check_cpu_devices(placement: PlacementConfig) -> None:
-    """On a CPU run, checks that JAX has the ``cpu_devices`` the placement asks for.
-
-    Raises:
-      MeshError: JAX started with another count (nothing set it before JAX started).
-    """
-    want = placement.cpu_devices
-    if want is None or jax.default_backend() != "cpu":
-        return
-    have = jax.local_device_count()
-    if have != want:
-        raise MeshError(
-            f"placement.cpu_devices: {want} asked, but JAX started with {have} CPU device(s); "
-            "`python -m jaxrlhf.train` sets it from the config, or call "
-            f"jaxrlhf.sharding.placement.set_cpu_devices({want}) before JAX starts"
-        )

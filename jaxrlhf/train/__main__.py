@@ -9,7 +9,13 @@ import argparse
 import logging
 import sys
 
-from jaxrlhf.config import ConfigError, describe_fields, load_config, read_config
+from jaxrlhf.config import (
+    ConfigError,
+    describe_fields,
+    load_config,
+    override_paths,
+    read_config,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxrlhf.data import DataError
     from jaxrlhf.models.safetensors_io import CheckpointError
+    from jaxrlhf.rewards import RewardError
     from jaxrlhf.sharding import MeshError, ShardingRuleError
     from jaxrlhf.train.checkpointing import NonFiniteStateError
     from jaxrlhf.train.pipeline import pipeline_stages
     from jaxrlhf.train.preemption import Preempted, TrainingDiverged
-    from jaxrlhf.train.rewards import RewardError
 
     try:
         if args.dry_run:  # exit 1 when a phase does not fit the device memory
@@ -70,20 +76,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.device_memory is not None or args.device_kind is not None:
             raise ConfigError("command line: --device-memory and --device-kind need --dry-run")
-        from jaxrlhf import host_memory
+        from jaxrlhf import platform
         from jaxrlhf.sharding.distributed import initialize_from_env
-        from jaxrlhf.sharding.placement import PlacementConfig, check_cpu_devices, set_cpu_devices
 
         stages = pipeline_stages(args.config) or [args.config]
         overrides = [*args.set, *args.overrides]
         cpu_devices = requested_cpu_devices(stages, overrides)
-        if cpu_devices is not None:  # before the backend starts, like the host memory settings
-            set_cpu_devices(cpu_devices)
-        not_applied = host_memory.reuse_freed_host_memory()  # before the backend starts
-        if not_applied:
-            logging.getLogger("jaxrlhf").debug("host memory defaults kept: %s", not_applied)
+        for note in platform.configure_cpu_host(cpu_devices):  # before the backend starts
+            logging.getLogger("jaxrlhf").debug("%s", note)
         initialize_from_env()  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
-        check_cpu_devices(PlacementConfig(cpu_devices=cpu_devices))  # before sizes are checked
+        platform.check_cpu_devices(cpu_devices)  # before sizes are checked
+        from jaxrlhf.train import loop
+
         for i, path in enumerate(stages):
             if len(stages) > 1:
                 print(f"== stage {i + 1}/{len(stages)}: {path}", flush=True)
@@ -91,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.resume:  # a pipeline's later stages may not have started yet
                 overrides.append(f"checkpoint.resume={'always' if i == 0 else 'auto'}")
             cfg = load_config(path, overrides)
-            from jaxrlhf.train import loop
-
-            loop.run(cfg, source=path)
+            loop.run(cfg, source=path, override_paths=tuple(override_paths(overrides)))
     except (
         ConfigError,
         DataError,

@@ -1,9 +1,20 @@
-"""Typed configs of the training loop: steps and batch sizes, logging, exports."""
+"""Typed configs of training: the loop (steps and batch sizes, logging, checkpoints and
+exports), the optimizer, and the supervised algorithms (SFT, reward model, DPO).
+
+Plain dataclasses only: importing this module loads no JAX, Flax or optax (``jaxrlhf.config``
+composes these sections and must stay light). The code each section configures lives in
+``optim.py``, ``sft.py``, ``reward_model.py`` and ``dpo.py`` beside it; the RL algorithms'
+sections are in ``rl_config.py``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+SCHEDULES = ("cosine", "linear", "constant")
+DPO_LOSS_CHOICES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+SFT_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 PROGRESS_MODES = ("auto", "rich", "tqdm", "plain", "none")
 EXPORT_DTYPES = (None, "float32", "bfloat16", "float16")
 
@@ -125,3 +136,127 @@ class CheckpointConfig:
             raise ValueError(f"keep: must be >= 1, got {self.keep}")
         if self.resume not in RESUME_MODES:
             raise ValueError(f"resume: expected one of {list(RESUME_MODES)}, got {self.resume!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule.
+
+    Attributes:
+      lr: peak learning rate.
+      schedule: after warmup, ``"cosine"`` or ``"linear"`` decay to ``lr * min_lr_ratio`` at
+        the last step, or ``"constant"``.
+      warmup_steps: linear warmup from 0 over this many steps.
+      min_lr_ratio: final learning rate as a fraction of ``lr``.
+      weight_decay: decoupled weight decay on matrices and embeddings.
+      b1, b2, eps: Adam moments.
+      max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
+      mu_dtype: dtype of the first moment (e.g. ``"bfloat16"`` to halve its memory); None
+        keeps the param dtype.
+    """
+
+    lr: float = 1e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    mu_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm: must be >= 0 (0 disables), got {self.max_grad_norm}")
+        if self.mu_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"mu_dtype: expected null, float32, bfloat16 or float16, got {self.mu_dtype!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """Attributes:
+    aggregation: ``"token_mean"`` (every response token weighs the same) or
+      ``"seq_mean_token_mean"`` (every response weighs the same).
+    """
+
+    aggregation: str = "token_mean"
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in SFT_AGGREGATIONS:
+            raise ValueError(
+                f"aggregation: expected one of {list(SFT_AGGREGATIONS)}, got {self.aggregation!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardModelConfig:
+    """Attributes:
+    center_coef: weight of ``mean((r_c + r_r)^2)``, which keeps rewards centred on 0
+      (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``); 0 disables.
+    """
+
+    center_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.center_coef < 0:
+            raise ValueError(f"center_coef: must be >= 0, got {self.center_coef}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    """Attributes:
+    beta: inverse temperature (sigmoid, hinge, simpo), regularisation (ipo) or odds-ratio
+      weight (orpo).
+    loss_type: one of ``DPO_LOSS_CHOICES``.
+    label_smoothing: cDPO / SimPO label-flip probability.
+    simpo_gamma: SimPO's target margin.
+    reference_hf_dir: the reference model's checkpoint; null = frozen copy of the initial
+      policy.
+    precompute_reference: score all data with the reference before training, then free it.
+    """
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    reference_hf_dir: str | None = None
+    precompute_reference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in DPO_LOSS_CHOICES:
+            raise ValueError(
+                f"loss_type: expected one of {list(DPO_LOSS_CHOICES)}, got {self.loss_type!r}"
+            )
+        if not self.beta > 0:
+            raise ValueError(f"beta: must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            raise ValueError(
+                "label_smoothing: only applies to loss_type sigmoid or simpo, "
+                f"not {self.loss_type!r}"
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss_type not in REFERENCE_FREE_LOSSES
+
+    @property
+    def average_logps(self) -> bool:
+        return self.loss_type in ("ipo", "simpo", "orpo")

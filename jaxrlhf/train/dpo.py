@@ -16,7 +16,6 @@ under the reference role's score rules (or once for the whole dataset with
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -24,55 +23,9 @@ import jax
 
 from jaxrlhf import losses
 from jaxrlhf.models import model as model_lib
+from jaxrlhf.train.config import DPOConfig
 from jaxrlhf.train.reward_model import pair_mask
-from jaxrlhf.train.steps import Batch, Metrics, Objective, Reference
-
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
-_REFERENCE_FREE = ("simpo", "orpo")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DPOConfig:
-    """Attributes:
-    beta: inverse temperature (sigmoid, hinge, simpo), regularisation (ipo) or odds-ratio
-      weight (orpo).
-    loss_type: one of ``LOSS_TYPES``.
-    label_smoothing: cDPO / SimPO label-flip probability.
-    simpo_gamma: SimPO's target margin.
-    reference_hf_dir: the reference model's checkpoint; null = frozen copy of the initial
-      policy.
-    precompute_reference: score all data with the reference before training, then free it.
-    """
-
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    reference_hf_dir: str | None = None
-    precompute_reference: bool = False
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(
-                f"loss_type: expected one of {list(LOSS_TYPES)}, got {self.loss_type!r}"
-            )
-        if not self.beta > 0:
-            raise ValueError(f"beta: must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
-            raise ValueError(
-                "label_smoothing: only applies to loss_type sigmoid or simpo, "
-                f"not {self.loss_type!r}"
-            )
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss_type not in _REFERENCE_FREE
-
-    @property
-    def average_logps(self) -> bool:
-        return self.loss_type in ("ipo", "simpo", "orpo")
+from jaxrlhf.train.steps import Batch, LossAux, Objective, Reference
 
 
 def sequence_logps(module: Any, params: Any, batch: Batch, *, average: bool) -> jax.Array:
@@ -85,7 +38,7 @@ def sequence_logps(module: Any, params: Any, batch: Batch, *, average: bool) -> 
     return losses.sequence_logprobs(token_lp, target_mask, average=average).reshape(b, two)
 
 
-def loss_fn(cfg: DPOConfig, module: Any, params: Any, batch: Batch) -> tuple[jax.Array, Metrics]:
+def loss_fn(cfg: DPOConfig, module: Any, params: Any, batch: Batch) -> tuple[jax.Array, LossAux]:
     logps = sequence_logps(module, params, batch, average=cfg.average_logps)
     real = pair_mask(batch)
     chosen, rejected = logps[:, 0], logps[:, 1]
@@ -113,15 +66,17 @@ def loss_fn(cfg: DPOConfig, module: Any, params: Any, batch: Batch) -> tuple[jax
             label_smoothing=cfg.label_smoothing,
             pair_mask=real,
         )
-    return loss, {
-        "loss/dpo": loss,
-        "dpo/margin": m["rewards/margin"],
-        "dpo/accuracy": m["rewards/accuracy"],
-        "dpo/chosen": m["rewards/chosen"],
-        "dpo/rejected": m["rewards/rejected"],
-        "dpo/logps_chosen": losses.masked_mean(chosen, real),
-        "dpo/logps_rejected": losses.masked_mean(rejected, real),
-    }
+    return loss, LossAux(
+        {
+            "loss/dpo": loss,
+            "dpo/margin": m["rewards/margin"],
+            "dpo/accuracy": m["rewards/accuracy"],
+            "dpo/chosen": m["rewards/chosen"],
+            "dpo/rejected": m["rewards/rejected"],
+            "dpo/logps_chosen": losses.masked_mean(chosen, real),
+            "dpo/logps_rejected": losses.masked_mean(rejected, real),
+        }
+    )
 
 
 def weight_fn(batch: Batch) -> jax.Array:

@@ -61,6 +61,7 @@ from jaxrlhf.config import (
     RunConfig,
     apply_overrides,
     load_config,
+    override_paths,
     validate,
 )
 from jaxrlhf.sharding import MeshConfig, MeshError, make_mesh
@@ -262,6 +263,7 @@ def plan(
     *,
     mesh: Mesh | None = None,
     source: str = "<config>",
+    override_paths: Sequence[str] = (),
     device_memory: int | None = None,
     device_label: str = "",
 ) -> DryRunReport:
@@ -271,7 +273,7 @@ def plan(
       cfg: the run config.
       mesh: the mesh to compile for (default: ``cfg.mesh`` over this process's CPU devices,
         which must be enough; see :func:`cli` for getting them).
-      source: the config's file name, for messages.
+      source, override_paths: where the config came from, for messages.
       device_memory: bytes per device to check the peak against (None: not checked).
       device_label: how to name that memory in the verdict.
 
@@ -302,12 +304,19 @@ def plan(
     gen_mesh = mesh
     if placement.generate_mesh is not None and cfg.algorithm in RL_ALGORITHMS:
         gen_mesh = make_mesh(placement.generate_mesh, devices=devices)
-    model_cfg = validate(cfg, source=source, device_count=mesh.size, all_devices=len(devices))
+    layout = validate(
+        cfg,
+        len(devices),
+        train_devices=mesh.size,
+        source=source,
+        override_paths=override_paths,
+    )
+    model_cfg = layout.model
     planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh)
     if cfg.algorithm in RL_ALGORITHMS:
-        shapes = phases.plan_rl(planner, source)
+        shapes = phases.plan_rl(planner, layout)
     else:
-        shapes = phases.plan_supervised(planner)
+        shapes = phases.plan_supervised(planner, layout)
     device = mesh.devices.flat[0]
     platform = f"XLA:{device.platform.upper()}"
     if device.platform == "cpu":
@@ -347,10 +356,9 @@ def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
     return mesh_devices(mesh)
 
 
-def _configured_devices(path: str, overrides: Sequence[str]) -> tuple[int | None, int]:
-    """Devices the config's run asks for (:func:`run_devices`), read before JAX starts, and
-    its ``placement.train_devices`` (-1: all). None and -1 when unreadable: load_config
-    reports any error properly later."""
+def _configured_devices(path: str, overrides: Sequence[str]) -> int | None:
+    """Devices the config's run asks for (:func:`run_devices`), read before JAX starts; None
+    when unreadable (load_config reports any error properly later)."""
     import yaml
 
     try:
@@ -360,23 +368,9 @@ def _configured_devices(path: str, overrides: Sequence[str]) -> tuple[int | None
         raw = dict(data.get("placement") or {})
         if raw.get("generate_mesh") is not None:
             raw["generate_mesh"] = MeshConfig(**raw["generate_mesh"])
-        placement = PlacementConfig(**raw)
-        return run_devices(MeshConfig(**(data.get("mesh") or {})), placement), (
-            placement.train_devices
-        )
+        return run_devices(MeshConfig(**(data.get("mesh") or {})), PlacementConfig(**raw))
     except (OSError, yaml.YAMLError, ConfigError, TypeError, ValueError, AttributeError):
-        return None, -1
-
-
-def _load(
-    path: str, overrides: Sequence[str], devices: int | None, train_devices: int
-) -> RunConfig:
-    """``load_config`` for a run over ``devices`` devices (None: this process's), the training
-    mesh on the first ``train_devices`` (-1: all)."""
-    if devices is None:
-        return load_config(path, overrides)
-    train = devices if train_devices == -1 else min(train_devices, devices)
-    return load_config(path, overrides, device_count=train, all_devices=devices)
+        return None
 
 
 def _cpu_devices(n: int | None) -> bool:
@@ -434,27 +428,31 @@ def cli(
             if len(stages) > 1:
                 print(f"== stage {i + 1}/{len(stages)}: {stage}", flush=True)
             stage_overrides = [*overrides, *exports.overrides_for(stage, overrides)]
-            needed, train_devices = _configured_devices(stage, stage_overrides)
+            needed = _configured_devices(stage, stage_overrides)
             cfg = None
             if not _cpu_devices(needed):
                 if os.environ.get(_CHILD_ENV):
                     raise MeshError(f"could not get {needed} CPU devices for the dry run")
                 status = max(status, _run_child(stage, stage_overrides, flags, needed))
             else:
-                devices = needed or len(jax.devices("cpu"))
-                cfg = _load(stage, stage_overrides, devices, train_devices)
-                status = max(status, _plan_and_report(cfg, stage, limit, label))
+                cfg = load_config(stage, stage_overrides)
+                paths = override_paths(stage_overrides)
+                status = max(status, _plan_and_report(cfg, stage, paths, limit, label))
             if i + 1 < len(stages):
-                exports.add(cfg, stage, stage_overrides, needed, i + 1)
+                exports.add(cfg, stage, stage_overrides, i + 1)
     finally:
         exports.close()
     return status
 
 
-def _plan_and_report(cfg: RunConfig, stage: str, limit: int | None, label: str | None) -> int:
+def _plan_and_report(
+    cfg: RunConfig, stage: str, paths: Sequence[str], limit: int | None, label: str | None
+) -> int:
     """Plans one stage and prints its table; 1 when it does not fit or compile, else 0."""
     try:
-        report = plan(cfg, source=stage, device_memory=limit, device_label=label)
+        report = plan(
+            cfg, source=stage, override_paths=paths, device_memory=limit, device_label=label
+        )
     except DryRunError as e:
         print(f"error: {stage}: {e}", file=sys.stderr)
         return 1
@@ -478,7 +476,6 @@ class _PendingExports:
         cfg: RunConfig | None,
         stage: str,
         overrides: Sequence[str],
-        needed: int | None,
         number: int,
     ) -> None:
         """Records what ``stage`` (the ``number``-th) exports; ``cfg`` None = load it here."""
@@ -490,8 +487,7 @@ class _PendingExports:
 
         if cfg is None:  # planned in a child process: only its model config is needed here
             try:
-                devices, train_devices = _configured_devices(stage, overrides)
-                cfg = _load(stage, overrides, needed or devices or 1, train_devices)
+                cfg = load_config(stage, overrides)
             except ConfigError:
                 return  # the child reported it
         if not cfg.checkpoint.export_hf:

@@ -1,8 +1,8 @@
 """The programs of each trainer's phases, built on abstract values and compiled for memory.
 
-Used by :mod:`jaxrlhf.train.dry_run`. Every program is the trainer's own jitted function
-(``steps.train_step``, the sampler's prefill and decode, ``rl_trainer._jit_functions``'s
-score, reward and update), with the trainer's shardings and donation, lowered on
+Used by :mod:`jaxrlhf.train.dry_run`. Every program is the trainers' own: the dry run builds
+``supervised.SupervisedPrograms`` or ``rl_programs.RLPrograms`` exactly as the trainers do
+(same functions, shardings and donation) and lowers their programs on
 ``jax.ShapeDtypeStruct`` arguments: no parameter, batch or cache is ever allocated.
 
 Accounting: a :class:`Planner` names every tree that lives on the devices between
@@ -14,28 +14,27 @@ all the live trees (parameters and optimizer states only, analytic).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.config import ConfigError, RunConfig, num_micro_batches
-from jaxrlhf.data.dataset import TokenizedDataset
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout
+from jaxrlhf.generation import SamplingParams
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
-from jaxrlhf.sharding import MeshError, ShardingRuleError, rules_for
-from jaxrlhf.sharding.model_sharding import build_sharded, bytes_per_device, param_shardings
-from jaxrlhf.train import steps
-from jaxrlhf.train.optim import make_optimizer
-from jaxrlhf.train.state import create_state, state_shardings
+from jaxrlhf.sharding import MeshError, ShardingRuleError
+from jaxrlhf.sharding.model_sharding import bytes_per_device
+from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, rl_section
+from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
+from jaxrlhf.train.state import TrainState, create_state
+from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
 
 # The programs are compiled, never run: skipping LLVM's optimisations roughly halves the
 # compile time and leaves XLA's buffer assignment (the memory analysis) unchanged.
@@ -157,13 +156,11 @@ class Planner:
             self.notes.append(f"{what}: {e}; planned with the policy's architecture")
             return self.model_cfg, "policy architecture assumed"
 
-    def trained(self, role: str, head: str, optimizer: Any) -> tuple[Any, Any]:
-        """Registers ``role.params`` and ``role.opt`` (train rules); returns the abstract
-        TrainState with shardings and the state's sharding tree."""
-        mesh = self.mesh
+    def trained(self, role: str, head: str, optimizer: Any, sh: TrainState) -> Any:
+        """Registers ``role.params`` and ``role.opt`` (in the program's state shardings
+        ``sh``); returns the abstract TrainState with its shardings."""
         abstract = model_lib.abstract_params(self.model_cfg, head)
-        param_sh = param_shardings(self.model_cfg, mesh, rules_for(role, "train"), head)
-        sh = state_shardings(abstract, param_sh, optimizer, mesh)
+        param_sh = sh.params
         state = jax.eval_shape(lambda p: create_state(p, optimizer), abstract)
         self.add(f"{role}.params", abstract, param_sh)
         self.add(f"{role}.opt", (state.step, state.opt_state), (sh.step, sh.opt_state))
@@ -176,11 +173,11 @@ class Planner:
                 optimizer_bytes=self.nbytes(f"{role}.opt"),
             )
         )
-        return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), state, sh), sh
+        return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), state, sh)
 
-    def frozen(self, role: str, cfg: ModelConfig, head: str, note: str = "") -> Any:
-        """Registers ``role.params`` under the role's score rules; returns them abstract."""
-        sh = param_shardings(cfg, self.mesh, rules_for(role, "score"), head)
+    def frozen(self, role: str, cfg: ModelConfig, head: str, sh: Any, note: str = "") -> Any:
+        """Registers ``role.params`` (in the program's parameter shardings ``sh``); returns
+        them abstract."""
         params = self.add(f"{role}.params", model_lib.abstract_params(cfg, head), sh)
         n = model_lib.param_count(params)
         self.roles.append(RoleMemory(role, head, n, self.nbytes(f"{role}.params"), note=note))
@@ -228,73 +225,45 @@ class Planner:
 # ---- supervised algorithms (sft, reward_model, dpo) -------------------------------------------
 
 
-def plan_supervised(pl: Planner) -> str:
-    """Reference scoring (DPO) and the train step; returns the shapes line."""
-    from jaxrlhf.train.loop import TRAINERS
-
+def plan_supervised(pl: Planner, layout: RunLayout) -> str:
+    """Reference scoring (DPO) and the train step of ``supervised.SupervisedPrograms``;
+    returns the shapes line."""
     cfg, mesh = pl.cfg, pl.mesh
-    objective = TRAINERS[cfg.algorithm](getattr(cfg, cfg.algorithm))
-    role, rules = objective.role, rules_for(objective.role, "train")
-    num_micro = num_micro_batches(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
-    optimizer, lr_fn = make_optimizer(cfg.optimizer, cfg.train.steps)
-    state, state_sh = pl.trained(role, objective.head, optimizer)
+    objective = objective_for(cfg)
+    ref_model, note = None, ""
+    if objective.reference is not None:
+        ref_model, note = pl.arch(objective.reference.hf_dir, "dpo.reference_hf_dir")
+    programs = build_supervised_programs(cfg, layout, pl.model_cfg, mesh, reference_model=ref_model)
+    role = objective.role
+    state = pl.trained(role, objective.head, programs.learner.optimizer, programs.state_shardings)
     live = [f"{role}.params", f"{role}.opt"]
-
-    # The batch layout comes from the dataset code itself (padding rows need no data).
-    empty = TokenizedDataset(objective.data_kind, [], [], [], report=None)
-    sample = empty.batch(np.full(1, -1), cfg.data.max_length)
-    batch = {k: _sds((cfg.train.batch_size, *v.shape[1:]), v.dtype) for k, v in sample.items()}
-    ref = objective.reference
-    if ref is not None:
-        ref_cfg, note = pl.arch(ref.hf_dir, "dpo.reference_hf_dir")
-        ref_params = pl.frozen("reference", ref_cfg, "lm", note)
-        ref_rules = rules_for("reference", "score")
-        batch_sh = {k: steps.batch_sharding(mesh, rules, v.ndim) for k, v in batch.items()}
-        score = jax.jit(  # as loop._reference jits it
-            functools.partial(ref.logps_fn, build_sharded(ref_cfg, mesh, ref_rules, "lm")),
-            in_shardings=(pl.trees["reference.params"][1], batch_sh),
-            out_shardings=steps.batch_sharding(mesh, ref_rules, 2),
-        )
+    batch = {
+        k: _sds(shape, dtype, programs.batch_shardings[k])
+        for k, (shape, dtype) in batch_layout(cfg, objective).items()
+    }
+    if programs.reference is not None:
+        ref_params = pl.frozen("reference", ref_model, "lm", programs.reference_shardings, note)
+        ref_batch = {k: v for k, v in batch.items() if k != "reference_logps"}
         pl.compile(
             "score",
             "reference",
-            score,
-            (ref_params, batch),
+            programs.reference,
+            (ref_params, ref_batch),
             live=[*live, "reference.params"],
             passed=["reference.params"],
         )
-        batch["reference_logps"] = _sds((cfg.train.batch_size, 2), jnp.float32)
-        if ref.precompute:
+        if objective.reference.precompute:
             pl.notes.append("reference log-probs are precomputed, then the reference is freed")
         else:
             live.append("reference.params")
-
-    batch_sh = {k: steps.batch_sharding(mesh, rules, v.ndim) for k, v in batch.items()}
-    step = functools.partial(
-        steps.train_step,
-        objective=objective,
-        module=build_sharded(pl.model_cfg, mesh, rules, objective.head),
-        optimizer=optimizer,
-        lr_fn=lr_fn,
-        num_micro=num_micro,
-        mesh=mesh,
-        rules=rules,
-        grad_shardings=state_sh.params,
-    )
-    step_fn = jax.jit(  # as loop.build_trainer jits it
-        step,
-        in_shardings=(state_sh, batch_sh, pl.replicated),
-        out_shardings=(state_sh, pl.replicated),
-        donate_argnums=0,
-    )
     args = (state, batch, pl.key)
     passed = [f"{role}.params", f"{role}.opt"]
-    pl.compile("train", "train_step", step_fn, args, live=live, passed=passed)
+    pl.compile("train", "train_step", programs.train_step, args, live=live, passed=passed)
     changed = [
         f"{jax.tree_util.keystr(path)} {a.dtype} -> {b.dtype}"
         for (path, a), b in zip(
             jax.tree_util.tree_leaves_with_path(state),
-            jax.tree.leaves(jax.eval_shape(step_fn, *args)[0]),
+            jax.tree.leaves(jax.eval_shape(programs.train_step, *args)[0]),
             strict=True,
         )
         if a.dtype != b.dtype
@@ -306,7 +275,7 @@ def plan_supervised(pl: Planner) -> str:
         )
     return (
         f"batch {cfg.train.batch_size} x {cfg.data.max_length} tokens, "
-        f"{num_micro} micro-batch(es) per update"
+        f"{layout.num_micro} micro-batch(es) per update"
     )
 
 
@@ -319,76 +288,41 @@ def _select(mask: Any, want: bool, *trees: Any) -> list[list[Any]]:
     return [[x for x, f in zip(jax.tree.leaves(t), flags, strict=True) if f == want] for t in trees]
 
 
-def plan_rl(pl: Planner, source: str) -> str:
-    """Generate (prefill, decode), score (reward, score) and the update; the shapes line."""
-    from jaxrlhf.generation import Sampler, SamplingParams
-    from jaxrlhf.train import rl_steps
-    from jaxrlhf.train.rl_config import PPOConfig
-    from jaxrlhf.train.rl_trainer import (
-        Learned,
-        _algo,
-        _check_sizes,
-        _gae,
-        _jit_functions,
-        score_micro_batches,
-        shared_group_sizes,
-    )
-
-    cfg, model_cfg, mesh = pl.cfg, pl.model_cfg, pl.mesh
-    algo = _algo(cfg)
-    num_micro = _check_sizes(cfg, algo, mesh, source)
-    score_micro = score_micro_batches(cfg, algo, mesh, source)
-    groups = shared_group_sizes(cfg, algo, mesh, num_micro, source, score_micro)
-    updates = cfg.train.steps * algo.loss.epochs * algo.loss.num_minibatches
-
-    def learned(role: str, head: str, optimizer_cfg, objective) -> tuple[Learned, Any]:
-        # rl_trainer._learned without parameters: the same rules, optimizer and module.
-        optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
-        state, sh = pl.trained(role, head, optimizer)
-        rules = rules_for(role, "train")
-        module = build_sharded(model_cfg, mesh, rules, head)
-        learner = rl_steps.Learner(objective, module, optimizer, lr_fn, rules, sh.params)
-        return Learned(None, sh, module, learner), state
-
-    loss = algo.loss
-    policy, policy_state = learned(
-        "policy",
-        "lm",
-        cfg.optimizer,
-        rl_steps.policy_objective(loss, algo.rollout.max_new_tokens, groups.update),
-    )
-    ref_params = pl.frozen("reference", model_cfg, "lm")
-    held = ["policy.params", "policy.opt", "reference.params"]
-    value = value_state = None
-    if isinstance(algo, PPOConfig):
-        critic_opt = cfg.optimizer
-        if algo.critic_lr is not None:
-            critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
-        value_objective = rl_steps.value_objective(
-            algo.value_clip,
-            loss.aggregation,
-            algo.rollout.max_new_tokens,
-            groups.update,
-            _gae(algo),
-        )
-        value, value_state = learned("value", "scalar", critic_opt, value_objective)
-        held += ["value.params", "value.opt"]
-    rm_cfg = rm_params = None
+def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfig | None, str]:
+    """The run's RLPrograms on abstract shapes: the sampler compiled as on an accelerator
+    (no CPU weight blocks), one stop id (the tokenizer's EOS, unread here)."""
+    algo = rl_section(pl.cfg)
+    r = algo.rollout
+    rm_model, note = None, ""
     if algo.reward.model_dir is not None:
-        rm_cfg, note = pl.arch(algo.reward.model_dir, f"{cfg.algorithm}.reward.model_dir")
-        rm_params = pl.frozen("reward", rm_cfg, "scalar", note)
-        held.append("reward.params")
+        rm_model, note = pl.arch(algo.reward.model_dir, f"{pl.cfg.algorithm}.reward.model_dir")
     else:
         pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
-    ref_rules = rules_for("reference", "score")
-    fns = _jit_functions(
-        cfg, algo, model_cfg, rm_cfg, mesh, policy, value, ref_rules, num_micro, groups, score_micro
+    sampling = SamplingParams(  # shapes only: a stop id is always one entry (EOS or -1)
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        n=r.num_samples,
+        return_model_logprobs=True,
     )
+    programs = build_rl_programs(
+        pl.cfg,
+        layout,
+        pl.model_cfg,
+        pl.mesh,
+        pl.generate_mesh,
+        sampling,
+        reward_model=rm_model,
+        matmul_block=0,
+    )
+    return programs, rm_model, note
 
-    # -- generate: the sampler reads a generate-layout copy of the policy parameters ---------
-    # The accelerator's program: no CPU weight blocks (Sampler's default on CPU devices).
-    sampler = Sampler(model_cfg, pl.generate_mesh, matmul_block=0)
-    if pl.generate_mesh is not mesh:
+
+def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
+    """Prefill and decode, reading a generate-layout copy of the policy parameters."""
+    sampler, cfg = programs.sampler, pl.cfg
+    if pl.generate_mesh is not pl.mesh:
         pl.notes.append(
             f"sampler on its own mesh {dict(pl.generate_mesh.shape)} (placement.generate_mesh); "
             "its copy of the policy is counted on each of its devices, the training devices' "
@@ -403,22 +337,12 @@ def plan_rl(pl: Planner, source: str) -> str:
     pl.add("policy.generate.copy", *_select(same, False, abstract, sampler.param_shardings))
     pl.add("policy.generate.shared", *_select(same, True, abstract, train_sh))
     pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
-
-    r = algo.rollout
-    b, p_len = r.prompts_per_step, cfg.data.max_prompt_length
-    sampling = SamplingParams(  # shapes only: a stop id is always one entry (EOS or -1)
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        n=r.num_samples,
-        return_model_logprobs=True,
-    )
-    statics = sampling.static()
+    b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
+    statics = programs.sampling.static()
     gen_live = [*held, "policy.generate.copy"]
     gen_passed = ["policy.generate.copy", "policy.generate.shared"]
     prompts = (_sds((b, p_len), jnp.int32), _sds((b, p_len), bool))
-    prefill_fn = sampler._prefill_fn(statics, b, p_len)
+    prefill_fn = sampler.prefill_program(statics, b, p_len)
     prefill_args = (gen_params, *prompts, pl.key)
     prefill = pl.compile(
         "generate", "prefill", prefill_fn, prefill_args, live=gen_live, passed=gen_passed
@@ -428,31 +352,53 @@ def plan_rl(pl: Planner, source: str) -> str:
         jax.eval_shape(prefill_fn, *prefill_args),
         prefill.output_shardings,
     )
-    arrays = jax.tree.map(lambda x: _sds(x.shape, x.dtype), sampling.arrays())
+    arrays = jax.tree.map(lambda x: _sds(x.shape, x.dtype), programs.sampling.arrays())
     pl.compile(
         "generate",
         "decode",
-        sampler._decode_fn(statics, "scan", b, p_len),
+        sampler.decode_program(statics, "scan", b, p_len),
         (gen_params, sampler_state, arrays),
         live=gen_live,
         passed=gen_passed,
     )
 
+
+def plan_rl(pl: Planner, layout: RunLayout) -> str:
+    """Generate (prefill, decode), score (reward, score) and the update of the run's
+    ``RLPrograms``; the shapes line."""
+    cfg = pl.cfg
+    programs, rm_model, rm_note = _rl_programs(pl, layout)
+    algo, rl = programs.algo, layout.rl
+    policy_state = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
+    ref_params = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
+    held = ["policy.params", "policy.opt", "reference.params"]
+    value_state = None
+    if programs.value is not None:
+        value_state = pl.trained(
+            "value", "scalar", programs.value.optimizer, programs.value_shardings
+        )
+        held += ["value.params", "value.opt"]
+    rm_params = None
+    if programs.reward is not None:
+        rm_params = pl.frozen("reward", rm_model, "scalar", programs.reward_shardings, rm_note)
+        held.append("reward.params")
+    _plan_generate(pl, programs, held)
+
     # -- score: the reward model (if any), then policy / reference / value forwards ----------
-    rows, length = r.rows, p_len + r.max_new_tokens
-    row = fns["row_sharding"]
-    batch = {
-        "tokens": _sds((rows, length), jnp.int32, row(2)),
-        "mask": _sds((rows, length), bool, row(2)),
-        "response_mask": _sds((rows, length), bool, row(2)),
-    }
+    r = algo.rollout
+    rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
+    row2, row1 = programs.rows(2), programs.rows(1)
+    batch = RolloutRows(
+        tokens=_sds((rows, length), jnp.int32, row2),
+        mask=_sds((rows, length), bool, row2),
+        response_mask=_sds((rows, length), bool, row2),
+    )
     if rm_params is not None:
-        rm_batch = {k: batch[k] for k in ("tokens", "mask")}
         pl.compile(
             "score",
             "reward",
-            fns["reward"],
-            (rm_params, rm_batch),
+            programs.reward,
+            (rm_params, batch.tokens, batch.mask),
             live=held,
             passed=["reward.params"],
         )
@@ -461,30 +407,44 @@ def plan_rl(pl: Planner, source: str) -> str:
         ref_params,
         None if value_state is None else value_state.params,
         batch,
-        {"scores": _sds((rows,), jnp.float32, row(1))},
+        _sds((rows,), jnp.float32, row1),
         _sds((), jnp.float32, pl.replicated),
     )
-    passed = ["policy.params", "reference.params"] + ["value.params"] * (value is not None)
-    score = pl.compile("score", "score", fns["score"], score_args, live=held, passed=passed)
+    passed = ["policy.params", "reference.params"] + ["value.params"] * (value_state is not None)
+    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
 
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
     scored = jax.tree.map(
         lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(fns["score"], *score_args),
+        jax.eval_shape(programs.score, *score_args),
         score.output_shardings,
     )
-    train_batch = dict(
-        batch,
-        **{k: v for k, v in scored.items() if not k.startswith("m/")},
+    learner_batch = LearnerBatch(
+        tokens=batch.tokens,
+        mask=batch.mask,
+        response_mask=batch.response_mask,
         kl_coef=_sds((rows,), jnp.float32, pl.replicated),
+        ref_logprobs=scored.ref_logprobs,
+        old_logprobs=scored.old_logprobs,
+        old_values=scored.old_values,
+        returns=scored.returns,
+        advantages=scored.advantages,
+        token_rewards=scored.token_rewards,
     )
     states = (policy_state,) + (() if value_state is None else (value_state,))
     learners = [n for n in held if n.startswith(("policy.", "value."))]
     pl.compile(
-        "train", "update", fns["update"], (states, train_batch, pl.key), live=held, passed=learners
+        "train",
+        "update",
+        programs.update,
+        (states, learner_batch, pl.key),
+        live=held,
+        passed=learners,
     )
+    loss = algo.loss
     return (
-        f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), {p_len} prompt + "
-        f"{r.max_new_tokens} new tokens; update {loss.epochs} epoch(s) x "
-        f"{loss.num_minibatches} minibatch(es) x {num_micro} micro-batch(es)"
+        f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
+        f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "
+        f"{loss.epochs} epoch(s) x {loss.num_minibatches} minibatch(es) x {rl.num_micro} "
+        "micro-batch(es)"
     )

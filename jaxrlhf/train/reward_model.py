@@ -6,7 +6,6 @@ plain-text data, the end-of-turn marker for templated data).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -14,21 +13,8 @@ import jax
 
 from jaxrlhf import losses
 from jaxrlhf.models import model as model_lib
-from jaxrlhf.train.steps import Batch, Metrics, Objective
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardModelConfig:
-    """Attributes:
-    center_coef: weight of ``mean((r_c + r_r)^2)``, which keeps rewards centred on 0
-      (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``); 0 disables.
-    """
-
-    center_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.center_coef < 0:
-            raise ValueError(f"center_coef: must be >= 0, got {self.center_coef}")
+from jaxrlhf.train.config import RewardModelConfig
+from jaxrlhf.train.steps import Batch, LossAux, Objective
 
 
 def pair_mask(batch: Batch) -> jax.Array:
@@ -47,19 +33,21 @@ def pair_rewards(module: Any, params: Any, batch: Batch) -> jax.Array:
 
 def loss_fn(
     cfg: RewardModelConfig, module: Any, params: Any, batch: Batch
-) -> tuple[jax.Array, Metrics]:
+) -> tuple[jax.Array, LossAux]:
     rewards = pair_rewards(module, params, batch)
     real = pair_mask(batch)
     loss, m = losses.bradley_terry_loss(rewards[:, 0], rewards[:, 1], pair_mask=real)
     if cfg.center_coef:
         loss = loss + cfg.center_coef * losses.masked_mean(rewards.sum(-1) ** 2, real)
-    return loss, {
-        "loss/rm": loss,
-        "rm/accuracy": m["rewards/accuracy"],
-        "rm/margin": m["rewards/margin"],
-        "rm/chosen": m["rewards/chosen"],
-        "rm/rejected": m["rewards/rejected"],
-    }
+    return loss, LossAux(
+        {
+            "loss/rm": loss,
+            "rm/accuracy": m["rewards/accuracy"],
+            "rm/margin": m["rewards/margin"],
+            "rm/chosen": m["rewards/chosen"],
+            "rm/rejected": m["rewards/rejected"],
+        }
+    )
 
 
 def weight_fn(batch: Batch) -> jax.Array:

@@ -238,3 +238,165 @@ class GRPOConfig:
             )
         if self.max_refills < 0:
             raise ValueError(f"max_refills: must be >= 0, got {self.max_refills}")
+
+
+# ---- sizes an RL run derives from its config and mesh (pure Python; see config.validate) ---
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSizes:
+    """Rows per packed prompt group (1: unpacked) in each phase, see ``rollout.shared_prefix``.
+
+    Attributes:
+      score: in the scoring forwards (reference, old policy, critic, reward model), which run
+        over the whole rollout: packed when every data shard holds whole groups.
+      update: in the update, whose minibatches and micro-batches then take whole groups: packed
+        when each data shard of every micro-batch holds whole groups.
+    """
+
+    score: int
+    update: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RLLayout:
+    """What an RL run derives from its config and training mesh (``config.validate``).
+
+    Attributes:
+      num_micro: gradient-accumulation micro-batches per minibatch of the update.
+      score_micro: scoring forwards per rollout (``rollout.score_micro_batch_size``).
+      groups: where prompt groups are packed (:class:`GroupSizes`).
+      reuse_policy_forward: the policy's update forward stands in for the old-log-prob
+        scoring forward (:func:`reuses_policy_forward`).
+      reuse_value_forward: the critic's update forward stands in for the value scoring
+        forward and computes GAE (:func:`reuses_value_forward`; PPO only).
+      updates: optimizer updates of each learner over the run (the schedules' length).
+      notes: why packing is off where it is (logged once by the trainer).
+    """
+
+    num_micro: int
+    score_micro: int
+    groups: GroupSizes
+    reuse_policy_forward: bool
+    reuse_value_forward: bool
+    updates: int
+    notes: tuple[str, ...] = ()
+
+
+def reuses_policy_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
+    """Whether the update's forward can stand in for the separate old-log-prob forward.
+
+    True with one epoch of one minibatch in one micro-batch and the KL as a loss term: the
+    update's only forward then runs at the params that sampled the rollout, so its log-probs
+    equal the old log-probs, and the loss uses ``stop_gradient(logprobs)`` for them (the ratio
+    is exactly 1 by construction; verl skips the recompute in the same case). Not with
+    ``kl_mode: reward``, whose per-token rewards (hence GAE or the group advantages) need the
+    old log-probs before the update, nor with several updates per rollout. Not with gradient
+    accumulation either: its per-micro-batch means cannot carry the per-token log-probs (kept
+    for inspection) or the exact KL metrics out of the update.
+    """
+    return cfg.epochs == 1 and cfg.num_minibatches == 1 and num_micro == 1 and cfg.kl_mode == "loss"
+
+
+def reuses_value_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
+    """Whether the critic's update forward can stand in for the separate value forward.
+
+    True with one epoch of one minibatch in one micro-batch (any ``kl_mode``): the critic's
+    only update forward then runs at the params that scored the rollout, so it computes the
+    old values; the value loss runs GAE on their ``stop_gradient`` (the returns are its
+    regression targets) and hands the advantages to the policy, whose update runs after the
+    critic's in the same step. The per-token rewards (score and KL penalty) come from scoring.
+    """
+    return cfg.epochs == 1 and cfg.num_minibatches == 1 and num_micro == 1
+
+
+def _update_micro_batches(
+    algo: PPOConfig | GRPOConfig, section: str, shards: int, micro_batch_size: int | None
+) -> int:
+    rows, mb = algo.rollout.rows, algo.loss.num_minibatches
+    if rows % mb:
+        raise ValueError(
+            f"{section}.loss.num_minibatches: {mb} does not divide the {rows} rollout rows "
+            "(prompts_per_step x num_samples)"
+        )
+    rows_mb = rows // mb
+    num_micro = 1 if micro_batch_size is None else max(1, rows_mb // (micro_batch_size * shards))
+    if rows_mb % (num_micro * shards):
+        raise ValueError(
+            f"{section}: minibatches of {rows_mb} rows do not split into {num_micro} "
+            f"micro-batch(es) over {shards} data shard(s)"
+        )
+    return num_micro
+
+
+def _score_micro_batches(algo: PPOConfig | GRPOConfig, section: str, shards: int) -> int:
+    micro = algo.rollout.score_micro_batch_size
+    if micro is None:
+        return 1
+    rows = algo.rollout.rows
+    if rows % (micro * shards):
+        raise ValueError(
+            f"{section}.rollout.score_micro_batch_size: {micro} rows per data shard do not "
+            f"divide the {rows} rollout rows over {shards} data shard(s)"
+        )
+    return rows // (micro * shards)
+
+
+def _group_sizes(
+    algo: PPOConfig | GRPOConfig, section: str, shards: int, num_micro: int, score_micro: int
+) -> tuple[GroupSizes, tuple[str, ...]]:
+    n = algo.rollout.num_samples
+    if not algo.rollout.shared_prefix or n == 1:
+        return GroupSizes(1, 1), ()
+    groups = algo.rollout.prompts_per_step
+    score = n if groups % (score_micro * shards) == 0 else 1
+    rows_mb = algo.rollout.rows // algo.loss.num_minibatches
+    groups_mb, rest = divmod(rows_mb, n)
+    update = n if not rest and groups_mb % (num_micro * shards) == 0 else 1
+    option = f"{section}.rollout.shared_prefix"
+    if score == 1 and update == 1 and score_micro == 1:
+        return GroupSizes(1, 1), (
+            f"{option} is off: {groups} prompt groups do not split over {shards} data shard(s)",
+        )
+    notes = []
+    if score == 1:
+        notes.append(
+            f"{option} is off in scoring: {groups} prompt groups do not split into "
+            f"{score_micro} scoring micro-batch(es) x {shards} data shard(s)"
+        )
+    if update == 1:
+        notes.append(
+            f"{option} is off in the update: {rows_mb} rows per minibatch do not split into "
+            f"whole groups of {n} for {num_micro} micro-batch(es) x {shards} data shard(s)"
+        )
+    return GroupSizes(score, update), tuple(notes)
+
+
+def rl_layout(
+    algo: PPOConfig | GRPOConfig,
+    *,
+    section: str,
+    shards: int,
+    micro_batch_size: int | None,
+    iterations: int,
+) -> RLLayout:
+    """The :class:`RLLayout` of ``algo`` (the ``section`` of the config) on a training mesh
+    of ``shards`` data shards (data x fsdp).
+
+    Raises:
+      ValueError: ``"field.path: problem"`` when the rollout does not split into the
+        minibatches, micro-batches or scoring micro-batches over the shards.
+    """
+    num_micro = _update_micro_batches(algo, section, shards, micro_batch_size)
+    score_micro = _score_micro_batches(algo, section, shards)
+    groups, notes = _group_sizes(algo, section, shards, num_micro, score_micro)
+    return RLLayout(
+        num_micro=num_micro,
+        score_micro=score_micro,
+        groups=groups,
+        reuse_policy_forward=reuses_policy_forward(algo.loss, num_micro),
+        reuse_value_forward=isinstance(algo, PPOConfig)
+        and reuses_value_forward(algo.loss, num_micro),
+        updates=iterations * algo.loss.epochs * algo.loss.num_minibatches,
+        notes=notes,
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -10,25 +9,8 @@ import jax
 
 from jaxrlhf import losses
 from jaxrlhf.models import model as model_lib
-from jaxrlhf.train.steps import Batch, Metrics, Objective
-
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTConfig:
-    """Attributes:
-    aggregation: ``"token_mean"`` (every response token weighs the same) or
-      ``"seq_mean_token_mean"`` (every response weighs the same).
-    """
-
-    aggregation: str = "token_mean"
-
-    def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"aggregation: expected one of {list(AGGREGATIONS)}, got {self.aggregation!r}"
-            )
+from jaxrlhf.train.config import SFTConfig
+from jaxrlhf.train.steps import Batch, LossAux, Objective
 
 
 def _target_mask(batch: Batch) -> jax.Array:
@@ -36,13 +18,13 @@ def _target_mask(batch: Batch) -> jax.Array:
     return batch["response_mask"][:, 1:]
 
 
-def loss_fn(cfg: SFTConfig, module: Any, params: Any, batch: Batch) -> tuple[jax.Array, Metrics]:
+def loss_fn(cfg: SFTConfig, module: Any, params: Any, batch: Batch) -> tuple[jax.Array, LossAux]:
     """Mean NLL of the response tokens of ``batch`` (tokens/mask/response_mask ``[B, T]``)."""
     logits = model_lib.forward(module, params, batch["tokens"], batch["mask"])
     loss, m = losses.sft_loss(
         logits[:, :-1], batch["tokens"][:, 1:], _target_mask(batch), aggregation=cfg.aggregation
     )
-    return loss, {"loss/sft": loss, "sft/accuracy": m["sft/accuracy"]}
+    return loss, LossAux({"loss/sft": loss, "sft/accuracy": m["sft/accuracy"]})
 
 
 def weight_fn(cfg: SFTConfig, batch: Batch) -> jax.Array:

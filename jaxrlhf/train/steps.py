@@ -7,9 +7,13 @@ adds their gradients weighted by ``weight / total weight``. For mean losses this
 accumulating over micro-batches gives the same gradient (up to float rounding) as one
 full-batch step, whatever the split, the padding or the device count.
 
-Micro-batches are strided (row ``r`` goes to micro-batch ``r % num_micro``): each device's
-slice of the batch splits into the same micro-batches locally, so the split moves no data
-between devices.
+Micro-batches are strided (``jaxrlhf.sharding.micro_batches``): each device's slice of the
+batch splits into the same micro-batches locally, so the split moves no data between
+devices. An objective whose rows come in groups (RL's packed prompt groups) says so in
+``row_group``; its micro-batches then take whole groups.
+
+Batches are pytrees whose leaves have a leading row axis: the supervised trainers' dicts of
+arrays, RL's typed ``LearnerBatch``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +29,29 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrlhf.models import axes
+from jaxrlhf.sharding.micro_batches import split_micro
 from jaxrlhf.sharding.rules import Rules, activation_sharding
 from jaxrlhf.train.state import TrainState
 
-Batch = dict[str, jax.Array]
+Batch = Any  # a pytree of [B, ...] arrays: a dict for the supervised trainers
 Metrics = dict[str, jax.Array]
-LossFn = Callable[[Any, Any, Batch], tuple[jax.Array, Metrics]]  # (module, params, batch)
+
+
+class LossAux(NamedTuple):
+    """What a loss returns beside its value.
+
+    Attributes:
+      metrics: flat dict of scalars with namespaced keys (``loss/...``, ``policy/...``).
+      outputs: per-row results of the loss's forward that later computations read (RL: the
+        old log-probs or values when the update's forward stands in for scoring's); None for
+        most losses. Only with one micro-batch (they cannot be averaged over micro-batches).
+    """
+
+    metrics: Metrics
+    outputs: Any = None
+
+
+LossFn = Callable[[Any, Any, Batch], tuple[jax.Array, LossAux]]  # (module, params, batch)
 WeightFn = Callable[[Batch], jax.Array]
 
 
@@ -63,6 +84,8 @@ class Objective:
       primary: the main metric, shown in progress lines and plots.
       summary: metrics shown in progress lines.
       reference: a reference model, for losses that need one.
+      row_group: rows that must stay together in a micro-batch (RL's packed prompt groups,
+        chosen with the forward when the objective is built); 1 for independent rows.
     """
 
     name: str
@@ -74,6 +97,7 @@ class Objective:
     primary: str
     summary: tuple[str, ...]
     reference: Reference | None = None
+    row_group: int = 1
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
@@ -81,92 +105,65 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return activation_sharding(mesh, rules, (axes.BATCH,) + (None,) * (ndim - 1))
 
 
-def split_micro(
-    batch: Batch, num_micro: int, mesh: Mesh, rules: Rules, group_size: int = 1
-) -> Batch:
-    """``[B, ...] -> [num_micro, B / num_micro, ...]``, strided: row r -> micro r % n.
+@dataclasses.dataclass(frozen=True)
+class Learner:
+    """One trained model as the update sees it (static: closed over, never traced).
 
-    With ``group_size > 1``, strided by groups of that many consecutive rows (group g ->
-    micro g % n), which stay whole and in order (packed prompt groups, rl_steps).
+    Attributes:
+      objective: loss and weight of a micro-batch.
+      module: the Linen module (sharded under the train rules, or plain without a mesh).
+      optimizer, lr_fn: its optax transform and schedule.
+      rules: its train rule set (None without a mesh).
+      grad_shardings: gradient (= param) shardings (None without a mesh).
     """
 
-    def split(x: jax.Array) -> jax.Array:
-        b = x.shape[0]
-        x = x.reshape(b // (num_micro * group_size), num_micro, group_size, *x.shape[1:])
-        x = x.swapaxes(0, 1).reshape(num_micro, b // num_micro, *x.shape[3:])
-        names = (None, axes.BATCH) + (None,) * (x.ndim - 2)
-        return jax.lax.with_sharding_constraint(x, activation_sharding(mesh, rules, names))
-
-    return jax.tree.map(split, batch)
+    objective: Objective
+    module: Any
+    optimizer: optax.GradientTransformation
+    lr_fn: optax.Schedule
+    rules: Rules | None = None
+    grad_shardings: Any = None
 
 
-def merge_micro(x: jax.Array, group_size: int = 1) -> jax.Array:
-    """Inverse of :func:`split_micro` for one array: ``[n, B / n, ...] -> [B, ...]``."""
-    num_micro, rows = x.shape[:2]
-    x = x.reshape(num_micro, rows // group_size, group_size, *x.shape[2:])
-    return x.swapaxes(0, 1).reshape(num_micro * rows, *x.shape[3:])
-
-
-def map_micro(
-    fn: Callable[[Batch], Any],
-    batch: Batch,
-    num_micro: int,
-    mesh: Mesh,
-    rules: Rules,
-    group_size: int = 1,
-) -> Any:
-    """``fn(batch)`` computed one micro-batch of rows at a time (``lax.map``), for row-wise
-    ``fn`` whose outputs all have a leading row axis: only one micro-batch's activations are
-    live at once. Micro-batches are those of :func:`split_micro` (whole groups of
-    ``group_size`` rows); the outputs come back in the batch's row order."""
-    if num_micro == 1:
-        return fn(batch)
-    out = jax.lax.map(fn, split_micro(batch, num_micro, mesh, rules, group_size))
-    return jax.tree.map(lambda x: merge_micro(x, group_size), out)
+def _constrain(tree: Any, shardings: Any) -> Any:
+    return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def accumulate_gradients(
-    objective: Objective,
-    module: Any,
-    params: Any,
-    batch: Batch,
-    *,
-    num_micro: int,
-    mesh: Mesh,
-    rules: Rules,
-    grad_shardings: Any,
-    group_size: int = 1,
-) -> tuple[Any, Metrics]:
+    learner: Learner, params: Any, batch: Batch, *, num_micro: int, mesh: Mesh | None
+) -> tuple[Any, LossAux]:
     """Weighted-mean gradients and metrics over ``num_micro`` micro-batches of ``batch``.
 
     Gradients are accumulated in float32 and kept in the params' shardings. Micro-batches
-    take whole groups of ``group_size`` rows (:func:`split_micro`).
+    take whole groups of ``learner.objective.row_group`` rows. The loss's per-row
+    ``outputs`` come back with a single micro-batch only (None otherwise).
     """
-    grad_fn = jax.value_and_grad(functools.partial(objective.loss_fn, module), has_aux=True)
+    objective = learner.objective
+    grad_fn = jax.value_and_grad(functools.partial(objective.loss_fn, learner.module), has_aux=True)
     if num_micro == 1:
-        (_, metrics), grads = grad_fn(params, batch)
-        return grads, metrics
-    micro = split_micro(batch, num_micro, mesh, rules, group_size)
+        (_, aux), grads = grad_fn(params, batch)
+        return grads, aux
+    micro = split_micro(batch, num_micro, mesh, learner.rules, objective.row_group)
     weights = jax.vmap(objective.weight_fn)(micro).astype(jnp.float32)  # [n]
     weights = weights / jnp.maximum(weights.sum(), 1.0)
 
     def body(carry, xs):
         mb, w = xs
-        (_, metrics), grads = grad_fn(params, mb)
-        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        (_, aux), grads = grad_fn(params, mb)
+        grads = _constrain(grads, learner.grad_shardings)
         return jax.tree.map(
-            lambda c, x: c + w * x.astype(jnp.float32), carry, (grads, metrics)
+            lambda c, x: c + w * x.astype(jnp.float32), carry, (grads, aux.metrics)
         ), None
 
     abstract_metrics = jax.eval_shape(
-        lambda p, b: objective.loss_fn(module, p, b)[1],
+        lambda p, b: objective.loss_fn(learner.module, p, b)[1].metrics,
         params,
         jax.tree.map(lambda x: x[0], micro),
     )
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, abstract_metrics))
-    zeros = (jax.lax.with_sharding_constraint(zeros[0], grad_shardings), zeros[1])
+    zeros = (_constrain(zeros[0], learner.grad_shardings), zeros[1])
     (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
-    return grads, metrics
+    return grads, LossAux(metrics)
 
 
 def train_step(
@@ -174,43 +171,27 @@ def train_step(
     batch: Batch,
     key: jax.Array,
     *,
-    objective: Objective,
-    module: Any,
-    optimizer: optax.GradientTransformation,
-    lr_fn: optax.Schedule,
+    learner: Learner,
     num_micro: int,
-    mesh: Mesh,
-    rules: Rules,
-    grad_shardings: Any,
-    group_size: int = 1,
-) -> tuple[TrainState, Metrics]:
-    """One optimizer update on ``batch``: ``(state, batch, key) -> (state, metrics)``.
+    mesh: Mesh | None,
+) -> tuple[TrainState, Metrics, Any]:
+    """One optimizer update on ``batch``: ``(state, batch, key) -> (state, metrics, outputs)``.
 
     ``key`` is unused by the supervised and preference objectives (the models have no
     dropout); it keeps the signature every trainer's step shares (RL steps sample).
     Metrics add ``grad_norm`` (before clipping), ``lr`` (of this update) and ``skipped``
     (1.0 when the update was dropped because a ``loss/*`` metric, the gradient or the
     optimizer's update was not finite: the returned state then equals ``state``).
-    ``group_size``: micro-batches take whole groups of that many rows (:func:`split_micro`).
+    ``outputs``: the loss's per-row outputs (:class:`LossAux`).
     """
     del key
-    grads, metrics = accumulate_gradients(
-        objective,
-        module,
-        state.params,
-        batch,
-        num_micro=num_micro,
-        mesh=mesh,
-        rules=rules,
-        grad_shardings=grad_shardings,
-        group_size=group_size,
-    )
+    grads, aux = accumulate_gradients(learner, state.params, batch, num_micro=num_micro, mesh=mesh)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
-    for name, value in metrics.items():
+    for name, value in aux.metrics.items():
         if name.startswith("loss/"):
             finite = finite & jnp.all(jnp.isfinite(value))
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = learner.optimizer.update(grads, state.opt_state, state.params)
     # Gradients are accumulated in float32; optax would then promote bf16 moments (with no
     # mu_dtype) to float32, changing the state's dtypes and recompiling the next step.
     opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
@@ -221,18 +202,18 @@ def train_step(
     # counter exactly as they were; the host counts the skips.
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
     metrics = dict(
-        metrics,
+        aux.metrics,
         grad_norm=grad_norm,
-        lr=lr_fn(state.step),
+        lr=learner.lr_fn(state.step),
         skipped=(~finite).astype(jnp.float32),
     )
-    return new_state, metrics
+    return new_state, metrics, aux.outputs
 
 
 def eval_step(
     params: Any, batch: Batch, *, objective: Objective, module: Any
 ) -> tuple[Metrics, jax.Array]:
     """``(metrics * weight, weight)`` of one batch; sum both over batches and divide."""
-    _, metrics = objective.loss_fn(module, params, batch)
+    _, aux = objective.loss_fn(module, params, batch)
     weight = objective.weight_fn(batch).astype(jnp.float32)
-    return jax.tree.map(lambda m: m * weight, metrics), weight
+    return jax.tree.map(lambda m: m * weight, aux.metrics), weight

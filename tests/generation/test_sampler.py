@@ -9,16 +9,14 @@ orders, which moves logits by ~1e-6 here (logits ~1-10); that is the only differ
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, Mesh
 
+from jaxrlhf import platform
 from jaxrlhf.generation import Sampler, SamplingParams
-from jaxrlhf.generation import sampler as sampler_lib
-from jaxrlhf.generation.sampler import default_matmul_block, usable_cores
+from jaxrlhf.generation.sampler import default_matmul_block
 from jaxrlhf.losses import token_logprobs
 from tests.generation.helpers import (
     FAMILIES,
@@ -171,8 +169,8 @@ def test_same_key_same_output_and_no_recompile_for_new_values():
     c = _np(s.generate(params, tokens, mask, jax.random.key(12), SAMPLED))
     jax.tree.map(np.testing.assert_array_equal, a, b)
     assert (a.tokens != c.tokens).any()
-    prefill_fn = s._prefill_fn(SAMPLED.static(), *tokens.shape)
-    decode_fn = s._decode_fn(SAMPLED.static(), "scan", *tokens.shape)
+    prefill_fn = s.prefill_program(SAMPLED.static(), *tokens.shape)
+    decode_fn = s.decode_program(SAMPLED.static(), "scan", *tokens.shape)
     sizes = (prefill_fn._cache_size(), decode_fn._cache_size())
     hotter = SamplingParams(temperature=1.7, max_new_tokens=NEW)
     d = _np(s.generate(params, tokens, mask, jax.random.key(11), hotter))
@@ -228,7 +226,7 @@ def test_weight_blocks_change_only_rounding():
 
     def batched_matmuls(s: Sampler) -> int:  # decode.blocked_matmul's einsum, compiled
         state = s.prefill(params, tokens, mask, jax.random.key(16), SAMPLED)
-        fn = s._decode_fn(SAMPLED.static(), "scan", *tokens.shape)
+        fn = s.decode_program(SAMPLED.static(), "scan", *tokens.shape)
         hlo = fn.lower(params, state, SAMPLED.arrays()).compile().as_text()
         return hlo.count("BRK,BKJ->BRJ")
 
@@ -242,11 +240,11 @@ def test_default_matmul_block(monkeypatch):
     devices as cores), plain kernels where XLA can split a matmul over spare cores, and on
     accelerators."""
     cpus = jax.devices("cpu")
-    monkeypatch.setattr(sampler_lib, "usable_cores", lambda: 2)
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)
     assert default_matmul_block(cpus[:1]) == 0
     if len(cpus) >= 2:
         assert default_matmul_block(cpus[:2]) == 64
-    monkeypatch.setattr(sampler_lib, "usable_cores", lambda: 1)
+    monkeypatch.setattr(platform, "usable_cores", lambda: 1)
     assert default_matmul_block(cpus[:1]) == 64
     assert default_matmul_block(Mesh(np.array(cpus[:1]), ("data",))) == 64
     assert Sampler(tiny_cfg("llama")).matmul_block == 64  # one (CPU) device, one core
@@ -256,19 +254,3 @@ def test_default_matmul_block(monkeypatch):
         platform = "gpu"
 
     assert default_matmul_block([Accelerator()]) == 0
-
-
-def test_usable_cores_honours_a_cgroup_quota(tmp_path, monkeypatch):
-    """``usable_cores``: the affinity mask (``os.cpu_count`` where there is none), capped by a
-    cgroup v2 ``cpu.max`` quota rounded up (250000 / 100000 -> 3 of 8), unchanged by "max"
-    or a missing file."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    cpu_max = tmp_path / "cpu.max"
-    cpu_max.write_text("250000 100000\n")
-    assert usable_cores(str(cpu_max)) == 3
-    cpu_max.write_text("max 100000\n")
-    assert usable_cores(str(cpu_max)) == 8
-    assert usable_cores(str(tmp_path / "absent")) == 8
-    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # e.g. macOS
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    assert usable_cores(str(tmp_path / "absent")) == 4

@@ -85,7 +85,7 @@ def test_fused_decode_weights_add_no_communication(shape, monkeypatch):
         s = Sampler(cfg, mesh, matmul_block=64)
         params, _ = s.to_generate_layout(host_params)
         state = s.prefill(params, tokens, mask, jax.random.key(0), GREEDY)
-        fn = s._decode_fn(GREEDY.static(), "scan", tokens.shape[0], tokens.shape[1])
+        fn = s.decode_program(GREEDY.static(), "scan", tokens.shape[0], tokens.shape[1])
         hlo = fn.lower(params, state, GREEDY.arrays()).compile().as_text()
         ops = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
         return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}

@@ -21,7 +21,7 @@ from jaxrlhf.losses.common import token_logprobs_and_entropy
 from jaxrlhf.models import model as M
 from jaxrlhf.models import shared_prefix as sp
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.train import rl_steps
+from jaxrlhf.models.scoring import RolloutForward
 
 G, N_SAMPLES, P, R = 3, 4, 6, 5
 
@@ -64,7 +64,7 @@ def test_packed_logprobs_and_gradients_equal_unpacked(family):
 
     @functools.partial(jax.jit, static_argnums=1)
     def logprobs(p, group_size):
-        return rl_steps.aligned_logprobs(module, p, tokens, mask, P, group_size)
+        return RolloutForward(module, R, group_size).logprobs(p, tokens, mask)
 
     (lp1, ent1), (lpn, entn) = logprobs(params, 1), logprobs(params, N_SAMPLES)
     cols = np.s_[:, P:]
@@ -92,12 +92,13 @@ def test_packed_values_and_reward_scores_equal_unpacked():
     cfg = ModelConfig.tiny("qwen2")
     module, params = M.build(cfg, "scalar"), _params(cfg, "scalar")
     tokens, mask, resp = _rollout(cfg.vocab_size, seed=1)
-    v1 = rl_steps.aligned_values(module, params, tokens, mask, P, 1)
-    vn = rl_steps.aligned_values(module, params, tokens, mask, P, N_SAMPLES)
+    one, packed = RolloutForward(module, R, 1), RolloutForward(module, R, N_SAMPLES)
+    v1 = one.values(params, tokens, mask)
+    vn = packed.values(params, tokens, mask)
     np.testing.assert_allclose(vn[:, P:][resp], v1[:, P:][resp], atol=1e-5, rtol=0)
     # Scores read each row's last real token; row 1's response is empty, so the prompt's.
-    s1 = rl_steps.sequence_scores(module, params, tokens, mask, P, 1)
-    sn = rl_steps.sequence_scores(module, params, tokens, mask, P, N_SAMPLES)
+    s1 = one.sequence_scores(params, tokens, mask)
+    sn = packed.sequence_scores(params, tokens, mask)
     np.testing.assert_allclose(sn, s1, atol=1e-5, rtol=0)
     assert s1[1] != s1[0]  # the empty and the full response are read at different tokens
 

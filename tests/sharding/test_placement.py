@@ -5,14 +5,13 @@ from __future__ import annotations
 import jax
 import pytest
 
+from jaxrlhf.platform import check_cpu_devices, set_cpu_devices
 from jaxrlhf.sharding import MeshConfig, MeshError
 from jaxrlhf.sharding.placement import (
     PlacementConfig,
-    check_cpu_devices,
     generate_mesh,
     generate_shards,
     given_mesh,
-    set_cpu_devices,
     train_device_count,
     train_mesh,
 )
@@ -29,12 +28,10 @@ def test_train_mesh_covers_the_first_devices():
 
 
 def test_a_mesh_passed_in_must_agree_with_train_devices():
-    class Cfg:
-        placement = PlacementConfig(train_devices=2)
-
-    given_mesh(Cfg, train_mesh(MeshConfig(fsdp=-1), Cfg.placement), "x.yaml")
+    placement = PlacementConfig(train_devices=2)
+    given_mesh(placement, train_mesh(MeshConfig(fsdp=-1), placement), "x.yaml")
     with pytest.raises(MeshError, match="x.yaml: placement.train_devices: 2, but the mesh passed"):
-        given_mesh(Cfg, train_mesh(MeshConfig(fsdp=-1), PlacementConfig()), "x.yaml")
+        given_mesh(placement, train_mesh(MeshConfig(fsdp=-1), PlacementConfig()), "x.yaml")
 
 
 def test_generate_mesh_is_its_own_or_the_training_mesh():
@@ -61,7 +58,7 @@ def test_counts_and_errors():
 def test_cpu_devices_are_fixed_once_jax_has_started():
     assert jax.device_count() == 8  # started (conftest asked for 8 CPU devices)
     assert set_cpu_devices(2) == "JAX has already started"
-    check_cpu_devices(PlacementConfig(cpu_devices=8))
-    check_cpu_devices(PlacementConfig())
+    check_cpu_devices(8)
+    check_cpu_devices(None)
     with pytest.raises(MeshError, match="placement.cpu_devices: 2 asked, but JAX started with 8"):
-        check_cpu_devices(PlacementConfig(cpu_devices=2))
+        check_cpu_devices(2)

@@ -6,19 +6,20 @@ import os
 
 from jax.sharding import Mesh
 
-from jaxrlhf.config import RunConfig, load_config
+from jaxrlhf.config import RunConfig, load_config, validate
 from jaxrlhf.sharding import MeshConfig, make_mesh
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
-def config(name: str, tmp_path, *overrides: str, device_count: int = 8) -> RunConfig:
-    """``configs/<name>.yaml`` writing into ``tmp_path``, quiet, with ``overrides``."""
-    return load_config(
-        os.path.join(CONFIGS, f"{name}.yaml"),
-        [f"output_dir={tmp_path}", "logging.progress=none", *overrides],
-        device_count=device_count,
-    )
+def config(name: str, tmp_path, *overrides: str, device_count: int | None = 8) -> RunConfig:
+    """``configs/<name>.yaml`` writing into ``tmp_path``, quiet, with ``overrides``; validated
+    for ``device_count`` devices (None: not validated here)."""
+    path = os.path.join(CONFIGS, f"{name}.yaml")
+    cfg = load_config(path, [f"output_dir={tmp_path}", "logging.progress=none", *overrides])
+    if device_count is not None:
+        validate(cfg, device_count, source=path)
+    return cfg
 
 
 def mesh(data: int, fsdp: int, tensor: int) -> Mesh:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrlhf.config import RunConfig, from_dict
+from jaxrlhf.config import RunConfig, from_dict, validate
 from jaxrlhf.sharding import distributed
 
 NUM_PROCESSES = 2
@@ -58,11 +58,13 @@ def config(algorithm: str, run_dir: str) -> RunConfig:
             "rollout": {"prompts_per_step": 8, "num_samples": 2, "max_new_tokens": 6},
             "loss": {"num_minibatches": 2},
         }
-    return from_dict(raw, source=f"multihost_worker:{algorithm}", device_count=DEVICES)
+    cfg = from_dict(raw, source=f"multihost_worker:{algorithm}")
+    validate(cfg, DEVICES)
+    return cfg
 
 
 def run(algorithm: str, run_dir: str) -> dict[str, np.ndarray]:
-    """Runs ``algorithm`` for ``STEPS`` iterations through ``run_rl`` / ``loop.run``.
+    """Runs ``algorithm`` for ``STEPS`` iterations through ``loop.run``.
 
     Returns:
       ``{"metric/<key>": [STEPS] float64, "params/<role>/<path>": array,
@@ -71,19 +73,15 @@ def run(algorithm: str, run_dir: str) -> dict[str, np.ndarray]:
       devices of several processes (0 with one process): with ``MESH`` each process holds
       one ``data`` row, so the gradients are all-reduced across processes.
     """
-    cfg = config(algorithm, run_dir)
-    if algorithm == "sft":
-        from jaxrlhf.train import loop
+    from jaxrlhf.train import loop
 
-        result = loop.run(cfg)
+    result = loop.run(config(algorithm, run_dir))
+    if algorithm == "sft":
         params = {"policy": result.trainer.state.params}
     else:
-        from jaxrlhf.train.rl_loop import run_rl
-
-        result = run_rl(cfg)
-        params = {"policy": result.trainer.policy.state.params}
-        if result.trainer.value is not None:
-            params["value"] = result.trainer.value.state.params
+        params = {"policy": result.trainer.policy_state.params}
+        if result.trainer.value_state is not None:
+            params["value"] = result.trainer.value_state.params
     first = result.history[0]
     keys = sorted(
         k

@@ -29,6 +29,7 @@ from jaxrlhf.train.__main__ import main as cli_main
 from jaxrlhf.train.checkpointing import RunCheckpointer
 from jaxrlhf.train.config import CheckpointConfig
 from jaxrlhf.train.preemption import TrainingDiverged
+from jaxrlhf.train.supervised import SupervisedTrainer
 from tests.train.helpers import CONFIGS, config, mesh
 
 # Most XLA optimisations off here and in the subprocesses (_env): same programs on both
@@ -167,8 +168,8 @@ def test_ppo_killed_then_resumed_equals_uninterrupted(tmp_path):
 
     resumed = loop.run(load_config(path, [f"output_dir={run_dir}"]))
     assert _untimed(resumed.history) == _untimed(ref.history)
-    _assert_trees_equal(resumed.trainer.policy.state, ref.trainer.policy.state)
-    _assert_trees_equal(resumed.trainer.value.state, ref.trainer.value.state)
+    _assert_trees_equal(resumed.trainer.policy_state, ref.trainer.policy_state)
+    _assert_trees_equal(resumed.trainer.value_state, ref.trainer.value_state)
     assert float(resumed.trainer.kl_state.kl_coef) == float(ref.trainer.kl_state.kl_coef)
 
 
@@ -206,7 +207,7 @@ def test_resume_on_another_mesh(tmp_path, three_of_six, shape):
         device_count=other.size,
     )
     resumed = loop.run(cfg, mesh=other)
-    assert resumed.trainer.batches_done == 6
+    assert resumed.trainer.steps_done == 6
     leaf = jax.tree.leaves(resumed.trainer.state.params)[0]
     assert leaf.sharding.mesh.shape == other.shape  # restored into the new layout
     jax.tree.map(
@@ -249,7 +250,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
 
     step = saved[0]
     resumed = loop.run(config("tiny_sft", run_dir, *SFT_ARGS, f"train.steps={step + 2}"))
-    assert resumed.trainer.batches_done == step + 2
+    assert resumed.trainer.steps_done == step + 2
     trained = [s for s, _ in resumed.rows("loss/sft")]
     assert trained[-3:] == [step, step + 1, step + 2] and len(set(trained)) == len(trained)
 
@@ -345,22 +346,22 @@ def _poisoned_sft(poisoned_steps: set[int], monkeypatch):
         obj = original(cfg)
 
         def loss_fn(module, params, batch):
-            loss, metrics = obj.loss_fn(module, params, batch)
+            loss, aux = obj.loss_fn(module, params, batch)
             poison = jnp.any(batch["tokens"] < 0)
             loss = jnp.where(poison, jnp.nan, loss)
-            return loss, dict(metrics, **{"loss/sft": loss})
+            return loss, aux._replace(metrics=dict(aux.metrics, **{"loss/sft": loss}))
 
         return steps.Objective(**{**obj.__dict__, "loss_fn": loss_fn})
 
     def next_batch(self):
         host = next(self.batches)
-        if self.batches_done in poisoned_steps:
+        if self.steps_done in poisoned_steps:
             host = dict(host, tokens=host["tokens"].copy())
             host["tokens"][0, 0] = -1
-        return self.prepare(self.put(host))
+        return self.put(host)
 
     monkeypatch.setitem(loop.TRAINERS, "sft", factory)
-    monkeypatch.setattr(loop.Trainer, "next_batch", next_batch)
+    monkeypatch.setattr(SupervisedTrainer, "next_batch", next_batch)
 
 
 def test_nonfinite_updates_are_skipped(tmp_path, monkeypatch):
@@ -378,10 +379,10 @@ def test_train_step_leaves_state_untouched_on_nan(tmp_path, monkeypatch):
     _poisoned_sft({0}, monkeypatch)
     trainer = loop.build_trainer(config("tiny_sft", tmp_path, *SFT_ARGS))
     before = jax.device_get(trainer.state)
-    metrics = trainer.step()
+    metrics = trainer.step().metrics
     assert float(metrics["skipped"]) == 1.0 and np.isnan(float(metrics["loss/sft"]))
     _assert_trees_equal(trainer.state, before)
-    metrics = trainer.step()
+    metrics = trainer.step().metrics
     assert float(metrics["skipped"]) == 0.0 and int(trainer.state.step) == 1
 
 

@@ -19,6 +19,8 @@ device here; the real executables' memory analysis is the measurement.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 
@@ -27,7 +29,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxrlhf.config import load_config
+from jaxrlhf.config import load_config, validate
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import save_hf
@@ -125,7 +127,9 @@ def _ppo_config(tmp_path):
     }
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return load_config(str(path), device_count=8)
+    cfg = load_config(str(path))
+    validate(cfg, 8, source=str(path))
+    return cfg
 
 
 @pytest.mark.slow
@@ -135,29 +139,32 @@ def test_ppo_plan_matches_real_run(tmp_path):
     report = dry_run.plan(cfg, mesh=mesh)
     planned = {p.name: p for p in report.programs}
     assert list(planned) == ["prefill", "decode", "reward", "score", "update"]
+    planned_rl = ("reward", "score", "update")  # RLPrograms' fields; the sampler's others
     assert [r.role for r in report.roles] == ["policy", "reference", "value", "reward"]
 
     trainer = build_rl_trainer(cfg, mesh=mesh)
     rec = Recorder()
-    for name in ("reward", "score", "update"):
-        trainer.fns[name] = rec.wrap(name, trainer.fns[name])
+    programs = trainer.programs
+    trainer.programs = dataclasses.replace(
+        programs, **{name: rec.wrap(name, getattr(programs, name)) for name in planned_rl}
+    )
     sampler = trainer.sampler
-    prefill_fn, decode_fn = sampler._prefill_fn, sampler._decode_fn
-    sampler._prefill_fn = lambda *a: rec.wrap("prefill", prefill_fn(*a))
-    sampler._decode_fn = lambda *a: rec.wrap("decode", decode_fn(*a))
+    prefill_fn, decode_fn = sampler.prefill_program, sampler.decode_program
+    sampler.prefill_program = lambda *a: rec.wrap("prefill", prefill_fn(*a))
+    sampler.decode_program = lambda *a: rec.wrap("decode", decode_fn(*a))
     trainer.step()
     assert set(rec.calls) == set(planned)
     for name, program in planned.items():
         _assert_program_matches(program, rec.memory(name))
 
     held = _device_bytes(
-        trainer.policy.state, trainer.value.state, trainer.ref_params, trainer.rm_params
+        trainer.policy_state, trainer.value_state, trainer.ref_params, trainer.rm_params
     )
     assert planned["score"].state_bytes == held
     assert planned["update"].state_bytes == held
     # Generation adds the sampler's copy of the policy parameters (replicated over fsdp);
     # leaves whose layout does not change are not copied.
-    train = trainer.policy.state.params
+    train = trainer.policy_state.params
     gen, _ = sampler.to_generate_layout(train)
     pairs = zip(jax.tree.leaves(train), jax.tree.leaves(gen), strict=True)
     copied = [y for x, y in pairs if _buffers(x) != _buffers(y)]
@@ -175,7 +182,9 @@ def test_sft_plan_matches_real_run(tmp_path):
 
     trainer = build_trainer(cfg, mesh=mesh)
     rec = Recorder()
-    trainer.step_fn = rec.wrap("train_step", trainer.step_fn)
+    trainer.programs = dataclasses.replace(
+        trainer.programs, train_step=rec.wrap("train_step", trainer.programs.train_step)
+    )
     trainer.step()
     _assert_program_matches(program, rec.memory("train_step"))
     assert program.state_bytes == _device_bytes(trainer.state)
@@ -320,8 +329,9 @@ def test_cli_mesh_larger_than_this_process_runs_in_a_child(capsys):
 def test_recipes_load_without_data_or_checkpoints(name):
     """Every recipe validates on its own mesh size; the dry run needs no files."""
     path = os.path.join(RECIPES, name)
-    needed, train_devices = dry_run._configured_devices(path, [])
-    cfg = dry_run._load(path, [], needed, train_devices)
+    cfg = load_config(path)
+    layout = validate(cfg, dry_run.run_devices(cfg.mesh, cfg.placement), source=path)
+    assert layout.devices == math.prod(layout.mesh_shape) or cfg.placement.generate_mesh
     assert not os.path.exists(cfg.data.train)  # the user's prompt file, not needed here
 
 

@@ -29,7 +29,7 @@ def _first_last(result, key):
 
 def _check_run_dir(result, cfg):
     run_dir = result.run_dir
-    assert load_config(os.path.join(run_dir, loop.CONFIG_FILE), device_count=8) == cfg
+    assert load_config(os.path.join(run_dir, loop.CONFIG_FILE)) == cfg
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert rows == result.history

@@ -19,9 +19,11 @@ import yaml
 
 from jaxrlhf.config import ConfigError, load_config
 from jaxrlhf.models import model as M
+from jaxrlhf.rewards import RewardError
 from jaxrlhf.sharding import MeshConfig, make_mesh
-from jaxrlhf.train.rewards import RewardError
-from jaxrlhf.train.rl_trainer import GroupSizes, _flops_per_token, build_rl_trainer
+from jaxrlhf.train.rl_config import GroupSizes
+from jaxrlhf.train.rl_metrics import flops_per_token
+from jaxrlhf.train.rl_trainer import build_rl_trainer
 
 LR, EPS = 0.05, 1.0
 
@@ -71,8 +73,8 @@ def _adam_first_step(params, grads):
 def _policy_grads(cfg, params, rollout, old, adv):
     """Unjitted gradient of the token-mean clipped surrogate (ratio = 1 at params = old)."""
     module = M.build(cfg)
-    tokens, mask = jnp.asarray(rollout["tokens"]), jnp.asarray(rollout["mask"])
-    resp = jnp.asarray(rollout["response_mask"])
+    tokens, mask = jnp.asarray(rollout.tokens), jnp.asarray(rollout.mask)
+    resp = jnp.asarray(rollout.response_mask)
 
     def loss(p):
         logits = M.forward(module, p, tokens, mask)[:, :-1]
@@ -90,7 +92,7 @@ def _policy_grads(cfg, params, rollout, old, adv):
 def grpo(fast_compile, tmp_path_factory):
     cfg, src = _config(tmp_path_factory.mktemp("grpo"), "grpo", "grpo.loss.kl_coef=0.1")
     trainer = build_rl_trainer(cfg, source=src)  # 8-device mesh (fsdp = 8)
-    params0 = jax.device_get(trainer.policy.state.params)
+    params0 = jax.device_get(trainer.policy_state.params)
     rollout, _ = trainer.rollout(jax.random.key(1))
     metrics = trainer.learn(rollout, jax.random.key(2))
     return trainer, params0, rollout, metrics
@@ -99,18 +101,18 @@ def grpo(fast_compile, tmp_path_factory):
 def test_grpo_iteration_matches_reference(grpo):
     trainer, params0, rollout, metrics = grpo
     cfg = trainer.model_cfg
-    logits = np.asarray(M.forward(M.build(cfg), params0, rollout["tokens"], rollout["mask"]))
-    old = _np_aligned_logprobs(logits, rollout["tokens"])
-    resp = rollout["response_mask"]
+    logits = np.asarray(M.forward(M.build(cfg), params0, rollout.tokens, rollout.mask))
+    old = _np_aligned_logprobs(logits, rollout.tokens)
+    resp = rollout.response_mask
     scored = jax.device_get(trainer.last_scored)
-    np.testing.assert_allclose(scored["old_logprobs"][resp], old[resp], atol=2e-5)
-    np.testing.assert_allclose(scored["ref_logprobs"][resp], old[resp], atol=2e-5)
+    np.testing.assert_allclose(scored.old_logprobs[resp], old[resp], atol=2e-5)
+    np.testing.assert_allclose(scored.ref_logprobs[resp], old[resp], atol=2e-5)
 
     # Group-relative advantages: (s - mean_g) / (std_g + 1e-6), unbiased std, per prompt.
-    s = rollout["scores_raw"].astype(np.float64).reshape(-1, 4)
+    s = rollout.scores.astype(np.float64).reshape(-1, 4)
     adv_seq = ((s - s.mean(1, keepdims=True)) / (s.std(1, ddof=1, keepdims=True) + 1e-6)).ravel()
     adv = np.where(resp, adv_seq[:, None], 0.0)
-    np.testing.assert_allclose(scored["advantages"], adv, atol=2e-5)
+    np.testing.assert_allclose(scored.advantages, adv, atol=2e-5)
 
     # The KL term (k3, beta 0.1) is 0 with zero gradient at params = reference, so the
     # update is the surrogate's alone.
@@ -118,34 +120,34 @@ def test_grpo_iteration_matches_reference(grpo):
         cfg, params0, rollout, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32)
     )
     expected = _adam_first_step(params0, grads)
-    got = jax.device_get(trainer.policy.state.params)
+    got = jax.device_get(trainer.policy_state.params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), got, expected)
     # On 8 devices the scoring forward and the value-and-grad forward are different sharded
     # programs, so the first ratio is 1 to float32 rounding; bit-exact on one device below.
     assert abs(metrics["first/policy/ratio_mean"] - 1.0) < 1e-6
     assert abs(metrics["first/policy/ratio_max"] - 1.0) < 1e-6
-    assert abs(rollout["scores_raw"].std()) > 0  # the rollout carried some learning signal
+    assert abs(rollout.scores.std()) > 0  # the rollout carried some learning signal
 
 
 def test_sampler_and_trainer_logprobs_agree(grpo):
     """The sampler's model log-probs (decode with a KV cache) equal the trainer's (one full
     forward): same weights, same float32 math, different summation shapes -> ~1e-6."""
     trainer, _, rollout, _ = grpo
-    resp = rollout["response_mask"]
-    old = np.asarray(jax.device_get(trainer.last_scored["old_logprobs"]))
-    np.testing.assert_allclose(rollout["sampler_logprobs"][resp], old[resp], atol=1e-4)
+    resp = rollout.response_mask
+    old = np.asarray(jax.device_get(trainer.last_scored.old_logprobs))
+    np.testing.assert_allclose(rollout.sampler_logprobs[resp], old[resp], atol=1e-4)
 
 
 def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     cfg, src = _config(tmp_path, "ppo", "ppo.loss.kl_coef=0.1", "ppo.value_clip=null")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     model_cfg = trainer.model_cfg
-    params0 = jax.device_get(trainer.policy.state.params)
-    value0 = jax.device_get(trainer.value.state.params)
+    params0 = jax.device_get(trainer.policy_state.params)
+    value0 = jax.device_get(trainer.value_state.params)
     rollout, _ = trainer.rollout(jax.random.key(3))
     metrics = trainer.learn(rollout, jax.random.key(4))
 
-    tokens, mask, resp = rollout["tokens"], rollout["mask"], rollout["response_mask"]
+    tokens, mask, resp = rollout.tokens, rollout.mask, rollout.response_mask
     old = _np_aligned_logprobs(
         np.asarray(M.forward(M.build(model_cfg), params0, tokens, mask)), tokens
     )
@@ -153,7 +155,7 @@ def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     values = np.pad(values[:, :-1], ((0, 0), (1, 0)))
     # Per-token rewards: -beta * (old - ref) = 0 here (reference = initial policy), plus the
     # score on the last response token; GAE(gamma=1, lam=0.95) by a backward loop.
-    scores = rollout["scores_raw"].astype(np.float64)
+    scores = rollout.scores.astype(np.float64)
     adv = np.zeros_like(values, dtype=np.float64)
     for b in range(tokens.shape[0]):
         idx = np.flatnonzero(resp[b])
@@ -169,8 +171,8 @@ def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     std = np.sqrt(adv[resp].var() + 1e-8)
     whitened = np.where(resp, (adv - mean) / std, 0.0)
     scored = jax.device_get(trainer.last_scored)
-    np.testing.assert_allclose(scored["returns"][resp], returns[resp], atol=2e-5)
-    np.testing.assert_allclose(scored["advantages"][resp], whitened[resp], atol=2e-5)
+    np.testing.assert_allclose(scored.returns[resp], returns[resp], atol=2e-5)
+    np.testing.assert_allclose(scored.advantages[resp], whitened[resp], atol=2e-5)
 
     grads = _policy_grads(
         model_cfg,
@@ -181,7 +183,7 @@ def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     )
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0),
-        jax.device_get(trainer.policy.state.params),
+        jax.device_get(trainer.policy_state.params),
         _adam_first_step(params0, grads),
     )
 
@@ -193,7 +195,7 @@ def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     expected_value = _adam_first_step(value0, jax.grad(value_loss)(value0))
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0),
-        jax.device_get(trainer.value.state.params),
+        jax.device_get(trainer.value_state.params),
         expected_value,
     )
     assert metrics["first/policy/ratio_mean"] == 1.0
@@ -209,7 +211,7 @@ def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(fast_com
     )
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     for _ in range(2):
-        m = trainer.step()
+        m = trainer.step().metrics
         assert m["first/policy/ratio_mean"] == 1.0
         assert m["first/policy/ratio_max"] == 1.0
         assert m["first/policy/approx_kl"] == 0.0
@@ -226,12 +228,12 @@ def test_sharded_iteration_equals_single_device(fast_compile, tmp_path):
         trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
         rollouts = []
         for _ in range(2):
-            key = jax.random.fold_in(trainer.key, trainer.iteration)
+            key = jax.random.fold_in(trainer.key, trainer.steps_done)
             rollouts.append(trainer.rollout(jax.random.split(key)[0])[0])
             trainer.step()
-        out[name] = (rollouts, jax.device_get(trainer.policy.state.params))
+        out[name] = (rollouts, jax.device_get(trainer.policy_state.params))
     for a, b in zip(out["one"][0], out["eight"][0], strict=True):
-        np.testing.assert_array_equal(a["tokens"], b["tokens"])  # same samples
+        np.testing.assert_array_equal(a.tokens, b.tokens)  # same samples
     # Two updates on 1 vs 8 devices: fp32 reduction order only (and Adam with eps = 1).
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
@@ -260,13 +262,13 @@ def test_sampler_on_its_own_mesh_equals_one_mesh(fast_compile, tmp_path):
         assert trainer.sampler.mesh.size == (8 if name == "placed" else 1)
         rollouts, metrics = [], []
         for _ in range(2):
-            key = jax.random.fold_in(trainer.key, trainer.iteration)
+            key = jax.random.fold_in(trainer.key, trainer.steps_done)
             rollouts.append(trainer.rollout(jax.random.split(key)[0])[0])
-            metrics.append(trainer.step())
-        out[name] = (rollouts, metrics, jax.device_get(trainer.policy.state.params))
+            metrics.append(trainer.step().metrics)
+        out[name] = (rollouts, metrics, jax.device_get(trainer.policy_state.params))
     for a, b in zip(out["one"][0], out["placed"][0], strict=True):
-        np.testing.assert_array_equal(a["tokens"], b["tokens"])
-        np.testing.assert_allclose(a["sampler_logprobs"], b["sampler_logprobs"], atol=1e-5)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5)
     for a, b in zip(out["one"][1], out["placed"][1], strict=True):
         assert a["reshard/bytes_moved"] == 0  # the sampler reads the training layout
         assert b["reshard/bytes_moved"] > 0  # device 0's params copied to the sampler's mesh
@@ -321,7 +323,7 @@ def test_grpo_short_run_improves_task_reward(tmp_path):
         "model.intermediate_size=128",
     )
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-    rewards = [trainer.step()["reward/mean"] for _ in range(60)]
+    rewards = [trainer.step().metrics["reward/mean"] for _ in range(60)]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert last > first + 0.05, (first, last)
 
@@ -365,7 +367,7 @@ def test_reward_function_errors(tmp_path):
 
 
 def test_overlong_penalty_hand_checked():
-    from jaxrlhf.train.rewards import overlong_penalty
+    from jaxrlhf.rewards import overlong_penalty
 
     # Budget 10, buffer 4: lengths up to 6 are free, 8 pays 2/4 of the penalty, a response cut
     # at the budget (not stopped) pays all of it whatever its length.
@@ -377,15 +379,15 @@ def test_overlong_penalty_hand_checked():
 def test_grpo_dynamic_sampling_keeps_informative_groups(fast_compile, tmp_path):
     cfg, src = _config(tmp_path, "grpo", "grpo.dynamic_sampling=true", "grpo.max_refills=2")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-    rollout, timings = trainer._dynamic_sampling(jax.random.key(5))
-    groups = rollout["scores_raw"].reshape(-1, 4)
+    rollout, timings = trainer.dynamic_rollout(jax.random.key(5))
+    groups = rollout.scores.reshape(-1, 4)
     informative = groups.std(-1) > 0
-    assert rollout["tokens"].shape[0] == 16 and 1 <= timings["dynamic/rollouts"] <= 3
+    assert rollout.tokens.shape[0] == 16 and 1 <= timings["dynamic/rollouts"] <= 3
     # Informative groups come first; flat ones only fill what the refills could not.
     assert not (~informative[:-1] & informative[1:]).any()
     if timings["dynamic/rollouts"] < 3:
         assert informative.all()
-    metrics = trainer.step()
+    metrics = trainer.step().metrics
     assert "dynamic/informative_frac" in metrics
 
 
@@ -402,16 +404,16 @@ def _ppo_on_one_rollout(tmp_path, variants, rollout_key, learn_key, prepare=None
         if rollout is None:
             rollout, _ = trainer.rollout(rollout_key)
         metrics = trainer.learn(rollout, learn_key)
-        params = jax.device_get((trainer.policy.state.params, trainer.value.state.params))
+        params = jax.device_get((trainer.policy_state.params, trainer.value_state.params))
         out[name] = (trainer, jax.device_get(trainer.last_scored), params, metrics)
     return rollout, out
 
 
 def _assert_same_iteration(a, b, rollout, keys):
     """Scored per-token ``keys`` on response tokens and policy + critic params within 1e-5."""
-    resp = rollout["response_mask"]
+    resp = rollout.response_mask
     for key in keys:
-        np.testing.assert_allclose(a[1][key][resp], b[1][key][resp], atol=1e-5)
+        np.testing.assert_allclose(getattr(a[1], key)[resp], getattr(b[1], key)[resp], atol=1e-5)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=0), a[2], b[2])
 
 
@@ -433,7 +435,10 @@ def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
         jax.random.key(8),
     )
     for shared, (trainer, *_) in out.items():
-        assert trainer.fns["groups"].update == (4 if shared else 1) and trainer.num_micro == 2
+        assert (
+            trainer.layout.rl.groups.update == (4 if shared else 1)
+            and trainer.layout.rl.num_micro == 2
+        )
     keys = ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages")
     _assert_same_iteration(out[True], out[False], rollout, keys)
     # The scoring forward (4 groups) and the update's value-and-grad (2 groups per micro-batch)
@@ -443,7 +448,7 @@ def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
 
 def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
     from jaxrlhf.sharding import rules_for
-    from jaxrlhf.train.steps import merge_micro, split_micro
+    from jaxrlhf.sharding.micro_batches import merge_micro, split_micro
 
     mesh = _one_device_mesh()
     rows = {"x": jnp.arange(8)}
@@ -455,14 +460,14 @@ def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
         tmp_path, "grpo", "grpo.loss.num_minibatches=2", "grpo.loss.epochs=2", "optimizer.eps=1e-8"
     )
     trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
-    assert trainer.fns["groups"].update == 4
-    m = trainer.step()  # shuffled minibatches of 2 whole groups each
+    assert trainer.layout.rl.groups.update == 4
+    m = trainer.step().metrics  # shuffled minibatches of 2 whole groups each
     assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # float32 rounding, as above
     assert m["policy/ratio_max"] > 1.0 + 1e-3  # later minibatches see updated params
     # Model FLOPs count packed tokens: 4 groups of 16 prompt + 4 x 6 response slots = 160 of
     # the 16 x 22 rollout tokens, in generation (1 forward), scoring (reference and old
     # policy) and 2 epochs of the policy update (forward + backward = 3 forwards each).
-    fpt = _flops_per_token(trainer.model_cfg)
+    fpt = flops_per_token(trainer.model_cfg)
     flops = m["throughput/model_tflops"] * 1e12 * m["time/iteration_s"]
     np.testing.assert_allclose(flops, fpt * 160 * (1 + 2 + 3 * 2), rtol=1e-6)
 
@@ -471,22 +476,22 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(fast_compile, tmp_
     cfg, src = _config(tmp_path, "grpo")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     rollout, _ = trainer.rollout(jax.random.key(1))
-    rollout["tokens"][5, -7] += 1  # row 5 (group 1) now has another prompt token
+    rollout.tokens[5, -7] += 1  # row 5 (group 1) now has another prompt token
     with pytest.raises(ValueError, match="rollout group 1 .* does not share one prompt"):
         trainer.learn(rollout, jax.random.key(2))
 
     with caplog.at_level("WARNING"):
         trainer = build_rl_trainer(cfg, source=src)  # 4 groups over 8 fsdp shards
-    assert trainer.fns["groups"] == GroupSizes(score=1, update=1)
+    assert trainer.layout.rl.groups == GroupSizes(score=1, update=1)
     assert "shared_prefix is off: 4 prompt groups do not split over 8 data shard(s)" in caplog.text
 
     # Micro-batches of 2 rows split groups of 4: scoring packs, the update does not.
     cfg, src = _config(tmp_path, "grpo", "train.micro_batch_size=2", "grpo.loss.epochs=2")
     with caplog.at_level("WARNING"):
         trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-    assert trainer.fns["groups"] == GroupSizes(score=4, update=1)
+    assert trainer.layout.rl.groups == GroupSizes(score=4, update=1)
     assert "is off in the update: 16 rows per minibatch" in caplog.text
-    m = trainer.step()
+    m = trainer.step().metrics
     assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # packed scoring, unpacked update
 
 
@@ -511,9 +516,9 @@ def test_update_forwards_stand_in_for_the_scoring_forwards(fast_compile, tmp_pat
         prepare=perturb_reference,
     )
     for micro, (trainer, *_) in out.items():
-        assert trainer.fns["reuse_value_forward"] == (micro is None)
-        assert trainer.fns["reuse_forward"] == (micro is None and kl_mode == "loss")
-        assert trainer.num_micro == (micro and 2 or 1)
+        assert trainer.layout.rl.reuse_value_forward == (micro is None)
+        assert trainer.layout.rl.reuse_policy_forward == (micro is None and kl_mode == "loss")
+        assert trainer.layout.rl.num_micro == (micro and 2 or 1)
     keys = ("old_logprobs", "old_values", "returns", "advantages")
     _assert_same_iteration(out[None], out[2], rollout, keys)
     assert out[None][3]["kl/seq_mean"] > 1e-3  # the perturbed reference: a real KL
@@ -551,14 +556,16 @@ def test_score_micro_batches_equal_one_scoring_forward(fast_compile, tmp_path, c
             jax.random.key(6),
         )
     assert "is off in scoring: 4 prompt groups do not split into 8 scoring" in caplog.text
-    assert [t.fns["groups"] for t, *_ in out.values()] == [
+    assert [t.layout.rl.groups for t, *_ in out.values()] == [
         GroupSizes(4, 4),
         GroupSizes(4, 4),
         GroupSizes(1, 4),
     ]
     keys = ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages")
-    batch = {k: jnp.asarray(rollout[k]) for k in ("tokens", "mask")}
-    rm_scores = {m: np.asarray(t.fns["reward"](t.rm_params, batch)) for m, (t, *_) in out.items()}
+    tokens, mask = jnp.asarray(rollout.tokens), jnp.asarray(rollout.mask)
+    rm_scores = {
+        m: np.asarray(t.programs.reward(t.rm_params, tokens, mask)) for m, (t, *_) in out.items()
+    }
     assert np.ptp(rm_scores[None]) > 1e-3  # a real reward model: rows score differently
     for m in (4, 2):
         _assert_same_iteration(out[None], out[m], rollout, keys)

@@ -51,7 +51,7 @@ def _two_steps(trainer):
     metrics = []
     for _ in range(2):
         old = jax.tree.leaves(trainer.state.params)[0]
-        metrics.append(jax.device_get(trainer.step()))
+        metrics.append(jax.device_get(trainer.step().metrics))
         assert old.is_deleted()  # the state was donated to the step
     return metrics
 
@@ -85,7 +85,7 @@ def test_sharded_step_equals_single_device(name, tmp_path):
     )
     # The new state stays in the training layout: params and Adam moments sharded alike.
     for leaf, sharding in zip(
-        jax.tree.leaves(many.state), jax.tree.leaves(many.shardings), strict=True
+        jax.tree.leaves(many.state), jax.tree.leaves(many.programs.state_shardings), strict=True
     ):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     q = many.state.params["decoder"]["layers"]["attn"]["q_kernel"]

@@ -24,8 +24,10 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import save_hf
 from jaxrlhf.sharding import TRAIN
+from jaxrlhf.sharding.micro_batches import split_micro
 from jaxrlhf.sharding.model_sharding import param_shardings
 from jaxrlhf.train import dpo, loop, sft, steps
+from jaxrlhf.train.config import DPO_LOSS_CHOICES
 from jaxrlhf.train.optim import OptimizerConfig, decay_mask, make_schedule
 from tests.train.helpers import config, mesh
 
@@ -57,17 +59,12 @@ def test_accumulation_equals_full_batch_and_is_weighted():
     batch = jax.tree.map(jnp.asarray, _batch("sft", 8))
     shardings = param_shardings(cfg, one, TRAIN)
 
+    learner = steps.Learner(objective, module, None, None, TRAIN, shardings)
+
     def grads(num_micro):
-        fn = functools.partial(
-            steps.accumulate_gradients,
-            objective,
-            module,
-            num_micro=num_micro,
-            mesh=one,
-            rules=TRAIN,
-            grad_shardings=shardings,
-        )
-        return jax.jit(fn)(params, batch)
+        fn = functools.partial(steps.accumulate_gradients, learner, num_micro=num_micro, mesh=one)
+        grads, aux = jax.jit(fn)(params, batch)
+        return grads, aux.metrics
 
     full, full_metrics = grads(1)
     accumulated, metrics = grads(4)
@@ -77,7 +74,7 @@ def test_accumulation_equals_full_batch_and_is_weighted():
     for key in full_metrics:
         np.testing.assert_allclose(metrics[key], full_metrics[key], atol=1e-6, err_msg=key)
 
-    micro = steps.split_micro(batch, 4, one, TRAIN)
+    micro = split_micro(batch, 4, one, TRAIN)
     grad_fn = jax.jit(jax.grad(lambda p, b: objective.loss_fn(module, p, b)[0]))
     naive = [grad_fn(params, jax.tree.map(lambda x, i=i: x[i], micro)) for i in range(4)]
     naive = jax.tree.map(lambda *g: sum(g) / 4, *naive)
@@ -87,7 +84,7 @@ def test_accumulation_equals_full_batch_and_is_weighted():
 
 def test_split_micro_is_strided():
     batch = {"x": jnp.arange(8)}
-    out = steps.split_micro(batch, 2, mesh(1, 1, 1), TRAIN)["x"]
+    out = split_micro(batch, 2, mesh(1, 1, 1), TRAIN)["x"]
     np.testing.assert_array_equal(out, [[0, 2, 4, 6], [1, 3, 5, 7]])
 
 
@@ -124,7 +121,7 @@ def test_dpo_loss_variants_at_the_reference():
     params = model_lib.init_params(model_cfg, jax.random.key(1))
     module = model_lib.build(model_cfg)
     batch = jax.tree.map(jnp.asarray, _batch("preference", 4))
-    cfgs = {t: dpo.DPOConfig(loss_type=t, beta=0.5) for t in dpo.LOSS_TYPES}
+    cfgs = {t: dpo.DPOConfig(loss_type=t, beta=0.5) for t in DPO_LOSS_CHOICES}
 
     @jax.jit
     def all_losses(params, batch):
@@ -140,7 +137,8 @@ def test_dpo_loss_variants_at_the_reference():
 
     results = jax.device_get(all_losses(params, batch))
     expected = {"sigmoid": np.log(2.0), "ipo": 1.0, "hinge": 1.0}
-    for name, (loss, metrics) in results.items():
+    for name, (loss, aux) in results.items():
+        metrics = aux.metrics
         assert np.isfinite(loss) and all(np.isfinite(v) for v in metrics.values()), name
         if name in expected:
             np.testing.assert_allclose(loss, expected[name], atol=1e-5, err_msg=name)
@@ -163,7 +161,7 @@ def test_precomputed_reference_equals_per_batch(tmp_path):
     pre = loop.build_trainer(config("tiny_dpo", tmp_path, *SMALL, "dpo.precompute_reference=true"))
     assert pre.train_data.extras["reference_logps"].shape == (len(pre.train_data), 2)
     assert pre.eval_data.extras["reference_logps"].shape == (16, 2)
-    a, b = jax.device_get(per_batch.step()), jax.device_get(pre.step())
+    a, b = jax.device_get(per_batch.step().metrics), jax.device_get(pre.step().metrics)
     for key in a:
         np.testing.assert_allclose(a[key], b[key], atol=1e-5, err_msg=key)
 

@@ -1,4 +1,4 @@
-"""jaxrlhf.host_memory: freed host memory is reused on the CPU backend.
+"""jaxrlhf.platform: freed host memory is reused on the CPU backend; core counting.
 
 The settings are process-wide and must precede JAX's backend, so the real check runs in a
 fresh process: there a jitted program with four 32 MiB float32 intermediates live at once (a
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxrlhf import host_memory
+from jaxrlhf import platform
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _PROGRAM = """
 import json, resource, sys
-from jaxrlhf import host_memory
-reason = host_memory.reuse_freed_host_memory() if sys.argv[1] == "reuse" else "not asked"
+from jaxrlhf import platform
+reason = platform.reuse_freed_host_memory() if sys.argv[1] == "reuse" else "not asked"
 import jax, jax.numpy as jnp, numpy as np
 
 @jax.jit
@@ -52,7 +52,7 @@ print(json.dumps({
 
 def _run(mode: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop(host_memory.OPT_OUT_ENV, None)
+    env.pop(platform.OPT_OUT_ENV, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", _PROGRAM, mode],
@@ -85,13 +85,29 @@ def test_not_applied_once_a_backend_exists_or_when_opted_out(monkeypatch):
     import jax.numpy as jnp
 
     jnp.zeros(1).block_until_ready()  # this test process's backend exists
-    assert host_memory.reuse_freed_host_memory() == "a JAX backend already exists"
-    monkeypatch.setenv(host_memory.OPT_OUT_ENV, "system")
-    assert host_memory.reuse_freed_host_memory() == "JAXRLHF_HOST_MEMORY=system"
+    assert platform.reuse_freed_host_memory() == "a JAX backend already exists"
+    monkeypatch.setenv(platform.OPT_OUT_ENV, "system")
+    assert platform.reuse_freed_host_memory() == "JAXRLHF_HOST_MEMORY=system"
 
 
 def test_cpu_backend_expected_follows_jax_platforms(monkeypatch):
-    monkeypatch.setattr(host_memory, "_configured_platforms", lambda: "cpu")
-    assert host_memory.cpu_backend_expected()
-    monkeypatch.setattr(host_memory, "_configured_platforms", lambda: "cuda,cpu")
-    assert not host_memory.cpu_backend_expected()
+    monkeypatch.setattr(platform, "_configured_platforms", lambda: "cpu")
+    assert platform.cpu_backend_expected()
+    monkeypatch.setattr(platform, "_configured_platforms", lambda: "cuda,cpu")
+    assert not platform.cpu_backend_expected()
+
+
+def test_usable_cores_honours_a_cgroup_quota(tmp_path, monkeypatch):
+    """``usable_cores``: the affinity mask (``os.cpu_count`` where there is none), capped by a
+    cgroup v2 ``cpu.max`` quota rounded up (250000 / 100000 -> 3 of 8), unchanged by "max"
+    or a missing file."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("250000 100000\n")
+    assert platform.usable_cores(str(cpu_max)) == 3
+    cpu_max.write_text("max 100000\n")
+    assert platform.usable_cores(str(cpu_max)) == 8
+    assert platform.usable_cores(str(tmp_path / "absent")) == 8
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # e.g. macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert platform.usable_cores(str(tmp_path / "absent")) == 4

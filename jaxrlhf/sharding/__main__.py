@@ -1,9 +1,9 @@
 """Smallest real run: build (or load) a model sharded on this machine's devices and run a
 forward pass.
 
-    python -m jaxrlhf.models                      # tiny Llama, random weights
-    python -m jaxrlhf.models --preset bench_s --mesh 1,-1,1
-    python -m jaxrlhf.models --hf-dir /path/to/hf/model --dtype bfloat16
+    python -m jaxrlhf.sharding                      # tiny Llama, random weights
+    python -m jaxrlhf.sharding --preset bench_s --mesh 1,-1,1
+    python -m jaxrlhf.sharding --hf-dir /path/to/hf/model --dtype bfloat16
 
 Prints the parameter count, the bytes each device holds under the training rules, the
 time of the first (compiling) and a second forward pass, and a checksum of the logits.
@@ -20,7 +20,7 @@ PRESETS = ("tiny", "bench_s", "bench_m")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxrlhf.models",
+        prog="python -m jaxrlhf.sharding",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,108 @@
+"""How a model runs over rollout rows: per-token log-probs, values and sequence scores.
+
+Rollout arrays share one layout, ``[N, T]`` with ``N`` rows and ``T = P + R`` (the
+left-padded prompt, then the right-padded response). Per-token outputs are *aligned to the
+token they score*: ``x[:, t]`` belongs to token ``t`` (its log-prob given tokens ``< t``, or
+the value of the state that produced it), so a response token's entries sit at its own index
+and ``response_mask`` selects them. Outputs are computed for the response columns only
+(``t >= P``) and hold 0 in the prompt's.
+
+A :class:`RolloutForward` fixes, when a program is built, everything about the forward that
+is not data: the module (and so its sharding rules), the response budget ``R`` (so
+``P = T - R``) and the *packing*: with ``group_size = n > 1`` every group of ``n``
+consecutive rows (one prompt, ``n`` responses) runs as one packed row
+``[prompt | response 1 | ... | response n]`` with a block attention mask, so the prompt runs
+through the model once (:mod:`jaxrlhf.models.shared_prefix`); outputs come back in the
+``[N, T]`` layout above. The callers (scoring, the losses, the reward model) never see the
+packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrlhf.losses.common import token_logprobs_and_entropy
+from jaxrlhf.models import model as model_lib
+from jaxrlhf.models import shared_prefix
+
+
+def _pad_front(x: Float[Array, "N R"], start: int) -> Float[Array, "N T"]:
+    return jnp.pad(x, ((0, 0), (start, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutForward:
+    """A model applied to rollout rows ``[N, P + R]`` (static: closed over by programs).
+
+    Attributes:
+      module: the Linen module (``models.model.build`` or a sharded build).
+      max_new_tokens: R, the response slots at the end of every row.
+      group_size: rows per packed prompt group (1: every row runs on its own); must divide
+        the rows of every batch it is applied to.
+    """
+
+    module: Any
+    max_new_tokens: int
+    group_size: int = 1
+
+    def prompt_len(self, tokens: Int[Array, "N T"]) -> int:
+        """P, the index of the first response slot (at least 1)."""
+        return max(1, tokens.shape[1] - self.max_new_tokens)
+
+    def _packed(self, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]):
+        sliding_window = self.module.cfg.sliding_window
+        start = self.prompt_len(tokens)
+        return shared_prefix.pack_groups(tokens, mask, start, self.group_size, sliding_window)
+
+    def logprobs(
+        self, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+    ) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
+        """``(logprobs, entropy)``: log pi(token_t | tokens_<t) and the entropy of that
+        distribution at index ``t >= P`` (0 before), float32. The LM head and the
+        log-softmax run on the R response positions only."""
+        start = self.prompt_len(tokens)
+        if self.group_size > 1:
+            packed = self._packed(tokens, mask)
+            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
+            logits = model_lib.forward_packed(self.module, params, packed, select)  # [N, R, V]
+            logp, entropy = token_logprobs_and_entropy(logits, tokens[:, start:])
+            return _pad_front(logp, start), _pad_front(entropy, start)
+        # Position t - 1 predicts token t, so the head runs on positions start - 1 .. T - 1,
+        # each scored against the token after it (the last against a dummy, dropped below);
+        # slicing the logits instead would copy the whole [N, T', V] array.
+        logits = model_lib.forward(self.module, params, tokens, mask, head_from=start - 1)
+        targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+        logp, entropy = token_logprobs_and_entropy(logits, targets)
+        return _pad_front(logp[:, :-1], start), _pad_front(entropy[:, :-1], start)
+
+    def values(
+        self, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+    ) -> Float[Array, "N T"]:
+        """V(state before token t) at index t from a scalar-head model: every index from 1
+        unpacked; the response's indices ``t >= P`` only when packed (0 before), all that GAE
+        and the value loss read."""
+        if self.group_size > 1:
+            packed = self._packed(tokens, mask)
+            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
+            out = model_lib.forward_packed(self.module, params, packed, select)
+            return _pad_front(out, self.prompt_len(tokens))
+        values = model_lib.forward(self.module, params, tokens, mask)[:, :-1]
+        return jnp.pad(values, ((0, 0), (1, 0)))
+
+    def sequence_scores(
+        self, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+    ) -> Float[Array, " N"]:
+        """A scalar-head model's score of each row: its value at the row's last real token
+        (a reward model's readout)."""
+        if self.group_size > 1:
+            packed = self._packed(tokens, mask)
+            select = functools.partial(shared_prefix.last_token_inputs, packed=packed)
+            return model_lib.forward_packed(self.module, params, packed, select)[:, 0]
+        return model_lib.last_token_values(
+            model_lib.forward(self.module, params, tokens, mask), mask
+        )

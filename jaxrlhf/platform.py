@@ -1,0 +1,214 @@
+"""Platform tuning in one place: what a run does differently on a CPU host.
+
+Everything here is a policy about the machine, not about the algorithm; general code paths
+ask this module instead of testing ``platform == "cpu"`` themselves. ``python -m
+jaxrlhf.train`` calls :func:`configure_cpu_host` before JAX starts; notebooks and scripts
+can call it too (first thing, before any JAX computation).
+
+* **Devices.** :func:`set_cpu_devices` splits a CPU host into N JAX devices
+  (``jax_num_cpu_devices``, fixed when the backend starts); :func:`check_cpu_devices` checks
+  that a run got what its ``placement.cpu_devices`` asks for.
+* **Cores.** :func:`usable_cores`: the cores this process may use (affinity mask capped by a
+  cgroup v2 quota).
+* **Decode weight blocks.** :func:`decode_weight_blocks` says whether the sampler's decode
+  loop should multiply by contiguous weight blocks (``generation.decode.decode_weights``):
+  where each CPU device runs on about one core. With more cores than devices XLA:CPU splits
+  a plain matmul over several threads, which the batched matmul of the blocks does not
+  match; accelerators keep the plain kernels (blocks are unmeasured there).
+* **One program in flight.** :func:`serialize_programs` waits for a tree when the mesh is
+  on CPU devices (see its docstring for the deadlock it avoids).
+* **Host memory.** :func:`reuse_freed_host_memory`, below.
+
+Host memory. XLA:CPU allocates each execution's temporary buffer (all of a step's
+intermediates) with ``malloc`` and frees it when the execution ends. glibc serves any
+allocation above 32 MiB with a fresh ``mmap`` and unmaps it on free, so every step
+page-faults its whole temporary buffer in again (benchmarks/forward_backward.py and
+benchmarks/RESULTS.md measure the cost). :func:`reuse_freed_host_memory` removes it with two
+process-wide settings:
+
+* ``jax_cpu_enable_async_dispatch = False``: executions run on the thread that calls them, so
+  their buffers come from that thread's malloc arena, the process's main heap (an XLA worker
+  thread's arena cannot hold more than 64 MiB in one piece and falls back to ``mmap``).
+* glibc's ``mallopt``: no ``mmap`` for large allocations (``M_MMAP_MAX = 0``) and freed memory
+  at the top of the heap kept up to 2 GiB (``M_TRIM_THRESHOLD``), so the next step reuses it.
+
+Not every step: now and then a small allocation made between two steps takes a piece of the
+freed buffer, the next step's no longer fits there, and the heap grows by one buffer that is
+faulted in fresh (tests/test_host_memory.py). The costs: the process keeps up to 2 GiB of
+freed memory mapped, and Python waits for each computation it dispatches (on a CPU the host
+and the computation share the cores anyway). ``JAXRLHF_HOST_MEMORY=system`` keeps glibc's
+and JAX's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+# glibc <malloc.h> mallopt parameters.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+KEEP_FREED_BYTES = 2**31 - 1  # the largest value mallopt takes (an int): ~2 GiB
+OPT_OUT_ENV = "JAXRLHF_HOST_MEMORY"
+
+
+def cpu_backend_expected() -> bool:
+    """Whether JAX will run on CPU in this process, decided without starting a backend:
+    ``JAX_PLATFORMS`` (``jax_platforms``) names only ``cpu``, or no accelerator plugin (CUDA,
+    ROCm, TPU) is installed."""
+    platforms = _configured_platforms()
+    if platforms:
+        return {p.strip() for p in platforms.split(",")} == {"cpu"}
+    plugins = importlib.metadata.entry_points(group="jax_plugins")
+    if any(plugins) or importlib.util.find_spec("libtpu") is not None:
+        return False
+    try:
+        import jax_plugins  # namespace package of the CUDA/ROCm plugins
+    except ImportError:
+        return True
+    return not list(getattr(jax_plugins, "__path__", []))
+
+
+def _configured_platforms() -> str | None:
+    return jax.config.jax_platforms
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # no public API says whether a backend exists yet
+
+    return xla_bridge.backends_are_initialized()
+
+
+def reuse_freed_host_memory() -> str | None:
+    """Applies the settings of this module's docstring, before JAX's CPU backend starts.
+
+    Returns:
+      None when applied; otherwise why not, in a few words: ``JAXRLHF_HOST_MEMORY=system``
+      is set, JAX will not run on CPU (:func:`cpu_backend_expected`), a JAX backend already
+      exists (the dispatch setting only applies to a backend created after it), or the C
+      library has no ``mallopt`` (not glibc). Nothing is changed then.
+    """
+    if os.environ.get(OPT_OUT_ENV, "").lower() == "system":
+        return f"{OPT_OUT_ENV}=system"
+    if not cpu_backend_expected():
+        return "not a CPU run"
+    if _backends_started():
+        return "a JAX backend already exists"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError):
+        return "no mallopt (not glibc)"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES)):
+        return "mallopt refused the settings"
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return None
+
+
+def configure_cpu_host(cpu_devices: int | None = None) -> list[str]:
+    """What ``python -m jaxrlhf.train`` does before JAX starts: ``cpu_devices`` CPU devices
+    (None: JAX's default) and the host-memory settings. Returns notes on what was not
+    applied (e.g. JAX had already started), for a debug log."""
+    notes = []
+    if cpu_devices is not None:
+        why = set_cpu_devices(cpu_devices)
+        if why:
+            notes.append(f"cpu_devices {cpu_devices} not set: {why}")
+    why = reuse_freed_host_memory()
+    if why:
+        notes.append(f"host memory defaults kept: {why}")
+    return notes
+
+
+def set_cpu_devices(count: int) -> str | None:
+    """Asks JAX for ``count`` CPU devices; call it before JAX starts (first computation).
+
+    Returns:
+      None when set; otherwise why not: JAX has already started (its device count is fixed).
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        return "JAX has already started"
+    return None
+
+
+def check_cpu_devices(want: int | None) -> None:
+    """On a CPU run, checks that JAX has the ``want`` CPU devices a placement asks for (None:
+    any count).
+
+    Raises:
+      MeshError: JAX started with another count (nothing set it before JAX started).
+    """
+    from jaxrlhf.sharding.mesh import MeshError
+
+    if want is None or jax.default_backend() != "cpu":
+        return
+    have = jax.local_device_count()
+    if have != want:
+        raise MeshError(
+            f"placement.cpu_devices: {want} asked, but JAX started with {have} CPU device(s); "
+            "`python -m jaxrlhf.train` sets it from the config, or call "
+            f"jaxrlhf.platform.set_cpu_devices({want}) before JAX starts"
+        )
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPU cores this process may run on: its affinity mask, capped by the cgroup v2 CPU
+    quota in ``cpu_max`` (a container limited to 2 CPUs on a large host counts 2)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(cores, 1)
+
+
+def _device_list(devices: Mesh | Sequence[Any]) -> list[Any]:
+    return list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
+
+
+def decode_weight_blocks(devices: Mesh | AbstractMesh | Sequence[Any]) -> bool:
+    """Whether a decode loop on ``devices`` (a mesh or a list of devices) multiplies by
+    contiguous weight blocks: on CPU devices that are at least as many as the process's
+    usable cores (about one core each). An AbstractMesh has no devices to look at and plans
+    as an accelerator (False)."""
+    if isinstance(devices, AbstractMesh):
+        return False
+    devices = _device_list(devices)
+    if any(d.platform != "cpu" for d in devices):
+        return False
+    return len(devices) >= usable_cores()
+
+
+def serialize_programs(mesh: Mesh | None, tree: Any) -> Any:
+    """Waits for ``tree`` when ``mesh`` (None: the default device) is on CPU devices; a
+    no-op elsewhere. Returns ``tree``.
+
+    XLA:CPU runs each device's part of a program on a shared thread pool, and two
+    *different* multi-device programs in flight at once can deadlock in their collectives
+    (each holds threads in a rendezvous the other needs; the process aborts after 40 s:
+    seen with DPO's reference scoring overlapping the train step on 8 fake devices). On
+    CPU a run therefore keeps one program in flight: each step, scoring and eval batch is
+    awaited before the next is dispatched, which costs little there (host and "devices"
+    share the same cores). GPUs and TPUs order programs on streams and keep the
+    asynchronous dispatch.
+    """
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    if device.platform == "cpu":
+        jax.block_until_ready(tree)
+    return tree

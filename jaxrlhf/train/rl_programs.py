@@ -1,0 +1,325 @@
+"""The jitted programs of an RL run (``algorithm: ppo | grpo``), built once from the config,
+the meshes and abstract shapes: no parameters, data or devices are touched.
+
+One iteration, each arrow one of these programs with its own shardings::
+
+    policy params --reshard--> sampler.prefill_program / decode_program --> Rollout (host)
+        --> reward (reward model, or a function on the host)
+        --> score: reference (and old-policy, critic) forwards + advantages --> Scored
+        --> update: epochs x minibatches of policy (and critic) steps --> new states
+
+:class:`RLPrograms` holds them; the trainer (``rl_trainer``) runs them on real arrays, the dry
+run (``dry_run_phases``) lowers and compiles the same objects against ``ShapeDtypeStruct``
+arguments. Packing prompt groups (``rollout.shared_prefix``) is decided here, by the
+:class:`~jaxrlhf.models.scoring.RolloutForward` each program applies its models through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrlhf import losses
+from jaxrlhf.config import RunConfig, RunLayout
+from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.models import model as model_lib
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.scoring import RolloutForward
+from jaxrlhf.rewards.model import reward_model_scores
+from jaxrlhf.sharding import rules_for
+from jaxrlhf.sharding.micro_batches import map_micro
+from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
+from jaxrlhf.sharding.rules import Rules
+from jaxrlhf.train import rl_steps, steps
+from jaxrlhf.train.optim import make_optimizer
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
+from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
+from jaxrlhf.train.state import TrainState, state_shardings
+
+
+def rl_section(cfg: RunConfig) -> PPOConfig | GRPOConfig:
+    """The config section of the run's RL algorithm."""
+    return cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """The score program's pure function (static fields; call it under ``jax.jit``).
+
+    Reference log-probs always; old log-probs unless the policy's update forward stands in;
+    for PPO the critic's values, GAE advantages and returns (or only the per-token rewards
+    when the critic's update forward runs GAE); for GRPO the group advantages.
+    """
+
+    algo: PPOConfig | GRPOConfig
+    reference: RolloutForward
+    policy: RolloutForward | None  # None: reuse_policy_forward
+    value: RolloutForward | None  # None: GRPO, or reuse_value_forward
+    has_critic: bool
+    num_micro: int
+    mesh: Mesh
+    rules: Rules
+
+    def forwards(self, policy_params, ref_params, value_params, rows: RolloutRows) -> Scored:
+        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time."""
+
+        def run(r: RolloutRows) -> Scored:
+            ref, _ = self.reference.logprobs(ref_params, r.tokens, r.mask)
+            old = values = None
+            if self.policy is not None:
+                old, _ = self.policy.logprobs(policy_params, r.tokens, r.mask)
+            if self.value is not None:
+                values = self.value.values(value_params, r.tokens, r.mask)
+            return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
+
+        return map_micro(
+            run, rows, self.num_micro, self.mesh, self.rules, self.reference.group_size
+        )
+
+    def __call__(
+        self,
+        policy_params: Any,
+        ref_params: Any,
+        value_params: Any,
+        rows: RolloutRows,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+    ) -> Scored:
+        """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` []."""
+        algo, resp = self.algo, rows.response_mask
+        out = self.forwards(policy_params, ref_params, value_params, rows)
+        ref, old = out.ref_logprobs, out.old_logprobs
+        if self.has_critic and out.old_values is None:  # the critic's update runs GAE
+            rewards, m = rl_steps.ppo_token_rewards(
+                scores, old, ref, resp, kl_coef, loss_cfg=algo.loss
+            )
+            return out.replace(token_rewards=rewards, metrics=m)
+        if self.has_critic:
+            adv, ret, m = rl_steps.ppo_advantages(
+                scores,
+                old,
+                ref,
+                out.old_values,
+                resp,
+                kl_coef,
+                loss_cfg=algo.loss,
+                gamma=algo.gamma,
+                lam=algo.lam,
+                whiten=algo.whiten_advantages,
+            )
+            m.update(rl_steps.value_metrics(adv, ret, out.old_values, resp))
+            return out.replace(returns=ret, advantages=adv, metrics=m)
+        adv, m = rl_steps.grpo_advantages(
+            scores,
+            old,
+            ref,
+            resp,
+            kl_coef,
+            loss_cfg=algo.loss,
+            advantage=algo.advantage,
+            group_size=algo.rollout.num_samples,
+        )
+        m["advantages/abs_mean"] = losses.masked_mean(jnp.abs(adv), resp)
+        return out.replace(advantages=adv, metrics=m)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLPrograms:
+    """Every jitted program of an RL run and the shardings they take (module docstring).
+
+    Attributes:
+      algo: the run's ``ppo`` or ``grpo`` section.
+      layout: the sizes validation derived (micro-batches, packing, forward reuse).
+      model: the policy's ModelConfig.
+      mesh: the training mesh (updates and scoring).
+      sampler: the sampler on its mesh (the training mesh, or ``placement.generate_mesh``);
+        its ``prefill_program`` / ``decode_program`` are the generation programs.
+      sampling: the sampling parameters (stop ids and pad id from the tokenizer).
+      policy, value: the learners (value None for GRPO).
+      policy_shardings, value_shardings: their TrainState shardings.
+      reference_shardings: the frozen reference's parameter shardings (score rules).
+      reward_shardings: the reward model's parameter shardings, or None (a function).
+      score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef) -> Scored``.
+      reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
+      update: ``(states, LearnerBatch, key) -> (states, UpdateOutput)``; the states tuple is
+        ``(policy,)`` or ``(policy, value)`` and is donated.
+    """
+
+    algo: PPOConfig | GRPOConfig
+    layout: RunLayout
+    model: ModelConfig
+    mesh: Mesh
+    sampler: Sampler
+    sampling: SamplingParams
+    policy: steps.Learner
+    value: steps.Learner | None
+    policy_shardings: TrainState
+    value_shardings: TrainState | None
+    reference_shardings: Any
+    reward_shardings: Any | None
+    score: Callable[..., Scored]
+    reward: Callable[..., jax.Array] | None
+    update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
+
+    def rows(self, ndim: int) -> NamedSharding:
+        """Rollout rows split over the training mesh's data shards (score rules)."""
+        return steps.batch_sharding(self.mesh, rules_for("policy", "score"), ndim)
+
+    @property
+    def state_shardings(self) -> tuple[TrainState, ...]:
+        """The update's state shardings, ``(policy,)`` or ``(policy, value)``."""
+        return (self.policy_shardings,) + (
+            () if self.value_shardings is None else (self.value_shardings,)
+        )
+
+
+def _learner(
+    model: ModelConfig,
+    mesh: Mesh,
+    role: str,
+    head: str,
+    optimizer_cfg: Any,
+    updates: int,
+    objective: Callable[[Any], steps.Objective],
+) -> tuple[steps.Learner, TrainState]:
+    """The learner of ``role`` (train rules) whose objective is ``objective(module)``."""
+    rules = rules_for(role, "train")
+    param_sh = param_shardings(model, mesh, rules, head)
+    optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
+    shardings = state_shardings(model_lib.abstract_params(model, head), param_sh, optimizer, mesh)
+    module = build_sharded(model, mesh, rules, head)
+    learner = steps.Learner(objective(module), module, optimizer, lr_fn, rules, param_sh)
+    return learner, shardings
+
+
+def _forward(model: ModelConfig, mesh: Mesh, role: str, phase: str, head: str, r: int, n: int):
+    return RolloutForward(build_sharded(model, mesh, rules_for(role, phase), head), r, n)
+
+
+def build_rl_programs(
+    cfg: RunConfig,
+    layout: RunLayout,
+    model: ModelConfig,
+    mesh: Mesh,
+    generate_mesh: Mesh,
+    sampling: SamplingParams,
+    *,
+    reward_model: ModelConfig | None = None,
+    matmul_block: int | None = None,
+) -> RLPrograms:
+    """Jits every program of an RL run.
+
+    Args:
+      cfg: the run config (``algorithm: ppo | grpo``).
+      layout: ``config.validate``'s result for ``cfg`` on these meshes.
+      model: the policy's (and reference's, critic's) ModelConfig.
+      mesh: the training mesh; ``generate_mesh``: the sampler's (may be ``mesh``).
+      sampling: the sampling parameters the sampler's programs are compiled for.
+      reward_model: the reward model's architecture when ``reward.model_dir`` is set.
+      matmul_block: the sampler's decode weight blocks (None: the platform's choice).
+    """
+    algo, rl = rl_section(cfg), layout.rl
+    r, groups = algo.rollout.max_new_tokens, rl.groups
+    policy, policy_sh = _learner(
+        model,
+        mesh,
+        "policy",
+        "lm",
+        cfg.optimizer,
+        rl.updates,
+        lambda module: rl_steps.policy_objective(
+            algo.loss, RolloutForward(module, r, groups.update)
+        ),
+    )
+    value = value_sh = None
+    if isinstance(algo, PPOConfig):
+        critic_opt = cfg.optimizer
+        if algo.critic_lr is not None:
+            critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
+        gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
+        value, value_sh = _learner(
+            model,
+            mesh,
+            "value",
+            "scalar",
+            critic_opt,
+            rl.updates,
+            lambda module: rl_steps.value_objective(
+                algo.value_clip,
+                algo.loss.aggregation,
+                RolloutForward(module, r, groups.update),
+                gae,
+            ),
+        )
+    score_rules = rules_for("policy", "score")
+    # Old log-probs and values come from the learners' own (train-rule) modules, so the first
+    # minibatch's forward is the scoring forward's computation (its ratio is 1).
+    scoring = Scoring(
+        algo=algo,
+        reference=_forward(model, mesh, "reference", "score", "lm", r, groups.score),
+        policy=None if rl.reuse_policy_forward else RolloutForward(policy.module, r, groups.score),
+        value=None
+        if value is None or rl.reuse_value_forward
+        else RolloutForward(value.module, r, groups.score),
+        has_critic=value is not None,
+        num_micro=rl.score_micro,
+        mesh=mesh,
+        rules=score_rules,
+    )
+    replicated = NamedSharding(mesh, P())
+    rows2 = steps.batch_sharding(mesh, score_rules, 2)
+    learners = (policy,) + (() if value is None else (value,))
+    state_sh = (policy_sh,) + (() if value_sh is None else (value_sh,))
+    update = jax.jit(
+        functools.partial(
+            rl_steps.rl_update,
+            learners=learners,
+            epochs=algo.loss.epochs,
+            num_minibatches=algo.loss.num_minibatches,
+            num_micro=rl.num_micro,
+            mesh=mesh,
+        ),
+        in_shardings=(state_sh, None, replicated),
+        out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
+        donate_argnums=0,  # the old states' buffers are reused for the new ones
+    )
+    reward = reward_sh = None
+    if reward_model is not None:
+        rm_rules = rules_for("reward", "score")
+        reward_sh = param_shardings(reward_model, mesh, rm_rules, "scalar")
+        rm_forward = RolloutForward(
+            build_sharded(reward_model, mesh, rm_rules, "scalar"), r, groups.score
+        )
+        reward = jax.jit(
+            functools.partial(
+                reward_model_scores,
+                rm_forward,
+                num_micro=rl.score_micro,
+                mesh=mesh,
+                rules=score_rules,
+            )
+        )
+    return RLPrograms(
+        algo=algo,
+        layout=layout,
+        model=model,
+        mesh=mesh,
+        sampler=Sampler(model, generate_mesh, matmul_block=matmul_block),
+        sampling=sampling,
+        policy=policy,
+        value=value,
+        policy_shardings=policy_sh,
+        value_shardings=value_sh,
+        reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
+        reward_shardings=reward_sh,
+        score=jax.jit(scoring),
+        reward=reward,
+        update=update,
+    )
