@@ -14,12 +14,12 @@ section changes that:
   (``jax_num_cpu_devices``). It must be set before JAX starts: ``python -m jaxrlhf.train``
   does so from the config; in Python call :func:`jaxrlhf.platform.set_cpu_devices` first.
 
-Why: on a CPU the decode loop runs ~60 small operations per token, and XLA:CPU splits each
-over the cores with a synchronisation per operation, so a second core adds little (bench-S
-G1 at batch 32: 1.36 s on one core, 1.10-1.14 s on two). Two CPU devices with half the
-batch each run two independent decode loops, one per core: 0.84-0.90 s. The update is the
-opposite: its large matmuls use both cores well inside one device, and on two devices it
-is slower (gradient all-reduce, two sets of buffers). So on a 2-core host::
+Why: on a CPU the decode loop runs many small operations per token, and XLA:CPU splits each
+over the cores with a synchronisation per operation, so a second core adds little inside
+one device; two CPU devices with half the batch each run two independent decode loops, one
+per core. The update is the opposite: its large matmuls use both cores well inside one
+device, and on two devices it is slower (gradient all-reduce, two sets of buffers). So on a
+2-core host::
 
     placement: {cpu_devices: 2, train_devices: 1, generate_mesh: {data: -1, fsdp: 1}}
 

@@ -363,6 +363,38 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
     )
 
 
+def _plan_score(pl, programs, held, policy_state, ref_params, value_state, rm_params):
+    """The reward model (if any), then the policy / reference / value forwards; returns the
+    abstract rollout rows and the scored arrays (in the score program's output shardings)."""
+    cfg, r = pl.cfg, programs.algo.rollout
+    rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
+    row2, row1 = programs.rows(2), programs.rows(1)
+    batch = RolloutRows(
+        tokens=_sds((rows, length), jnp.int32, row2),
+        mask=_sds((rows, length), bool, row2),
+        response_mask=_sds((rows, length), bool, row2),
+    )
+    if rm_params is not None:
+        args = (rm_params, batch.tokens, batch.mask)
+        pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
+    score_args = (
+        policy_state.params,
+        ref_params,
+        None if value_state is None else value_state.params,
+        batch,
+        _sds((rows,), jnp.float32, row1),
+        _sds((), jnp.float32, pl.replicated),
+    )
+    passed = ["policy.params", "reference.params"] + ["value.params"] * (value_state is not None)
+    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
+    scored = jax.tree.map(
+        lambda a, s: _sds(a.shape, a.dtype, s),
+        jax.eval_shape(programs.score, *score_args),
+        score.output_shardings,
+    )
+    return batch, scored
+
+
 def plan_rl(pl: Planner, layout: RunLayout) -> str:
     """Generate (prefill, decode), score (reward, score) and the update of the run's
     ``RLPrograms``; the shapes line."""
@@ -384,53 +416,12 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         held.append("reward.params")
     _plan_generate(pl, programs, held)
 
-    # -- score: the reward model (if any), then policy / reference / value forwards ----------
-    r = algo.rollout
-    rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
-    row2, row1 = programs.rows(2), programs.rows(1)
-    batch = RolloutRows(
-        tokens=_sds((rows, length), jnp.int32, row2),
-        mask=_sds((rows, length), bool, row2),
-        response_mask=_sds((rows, length), bool, row2),
+    batch, scored = _plan_score(
+        pl, programs, held, policy_state, ref_params, value_state, rm_params
     )
-    if rm_params is not None:
-        pl.compile(
-            "score",
-            "reward",
-            programs.reward,
-            (rm_params, batch.tokens, batch.mask),
-            live=held,
-            passed=["reward.params"],
-        )
-    score_args = (
-        policy_state.params,
-        ref_params,
-        None if value_state is None else value_state.params,
-        batch,
-        _sds((rows,), jnp.float32, row1),
-        _sds((), jnp.float32, pl.replicated),
-    )
-    passed = ["policy.params", "reference.params"] + ["value.params"] * (value_state is not None)
-    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
-
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
-    scored = jax.tree.map(
-        lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(programs.score, *score_args),
-        score.output_shardings,
-    )
-    learner_batch = LearnerBatch(
-        tokens=batch.tokens,
-        mask=batch.mask,
-        response_mask=batch.response_mask,
-        kl_coef=_sds((rows,), jnp.float32, pl.replicated),
-        ref_logprobs=scored.ref_logprobs,
-        old_logprobs=scored.old_logprobs,
-        old_values=scored.old_values,
-        returns=scored.returns,
-        advantages=scored.advantages,
-        token_rewards=scored.token_rewards,
-    )
+    kl_coef = _sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
+    learner_batch = LearnerBatch.of(batch, scored, kl_coef)
     states = (policy_state,) + (() if value_state is None else (value_state,))
     learners = [n for n in held if n.startswith(("policy.", "value."))]
     pl.compile(
@@ -441,7 +432,7 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         live=held,
         passed=learners,
     )
-    loss = algo.loss
+    loss, r = algo.loss, algo.rollout
     return (
         f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
         f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "

@@ -17,11 +17,12 @@ their outputs.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import yaml
 
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, read_config
 
 
 def pipeline_stages(path: str) -> list[str] | None:
@@ -45,3 +46,36 @@ def pipeline_stages(path: str) -> list[str] | None:
     if missing:
         raise ConfigError(f"{path}: pipeline: stage config {missing[0]} does not exist")
     return resolved
+
+
+def requested_cpu_devices(stages: list[str], overrides: list[str]) -> int | None:
+    """``placement.cpu_devices`` of the run's configs, read before JAX starts (it fixes the
+    CPU device count then); None when no stage sets it. A value that is not a positive int is
+    left for the config's own validation to report.
+
+    Raises:
+      ConfigError: stages of one pipeline ask for different counts.
+    """
+    asked: dict[str, int] = {}
+    for path in stages:
+        data, _ = read_config(path, overrides)
+        placement = data.get("placement")
+        value = placement.get("cpu_devices") if isinstance(placement, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            asked[path] = value
+    if len(set(asked.values())) > 1:
+        listed = ", ".join(f"{p}: {v}" for p, v in asked.items())
+        raise ConfigError(
+            f"placement.cpu_devices differs between pipeline stages ({listed}); one process "
+            "has one CPU device count, fixed when JAX starts"
+        )
+    count = next(iter(asked.values()), None)
+    others = [p for p in stages if p not in asked]
+    if count is not None and others:
+        logging.getLogger("jaxrlhf").info(
+            "placement.cpu_devices: %d applies to every stage (one count per process), also to "
+            "%s, which does not set it",
+            count,
+            ", ".join(others),
+        )
+    return count

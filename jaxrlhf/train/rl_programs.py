@@ -199,8 +199,59 @@ def _learner(
     return learner, shardings
 
 
-def _forward(model: ModelConfig, mesh: Mesh, role: str, phase: str, head: str, r: int, n: int):
-    return RolloutForward(build_sharded(model, mesh, rules_for(role, phase), head), r, n)
+def _learners(
+    cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh
+) -> tuple[steps.Learner, TrainState, steps.Learner | None, TrainState | None]:
+    """``(policy, its state shardings, critic or None, its shardings or None)``."""
+    algo, rl = rl_section(cfg), layout.rl
+    r, group = algo.rollout.max_new_tokens, rl.groups.update
+    policy, policy_sh = _learner(
+        model,
+        mesh,
+        "policy",
+        "lm",
+        cfg.optimizer,
+        rl.updates,
+        lambda module: rl_steps.policy_objective(algo.loss, RolloutForward(module, r, group)),
+    )
+    if not isinstance(algo, PPOConfig):
+        return policy, policy_sh, None, None
+    critic_opt = cfg.optimizer
+    if algo.critic_lr is not None:
+        critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
+    gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
+    value, value_sh = _learner(
+        model,
+        mesh,
+        "value",
+        "scalar",
+        critic_opt,
+        rl.updates,
+        lambda module: rl_steps.value_objective(
+            algo.value_clip, algo.loss.aggregation, RolloutForward(module, r, group), gae
+        ),
+    )
+    return policy, policy_sh, value, value_sh
+
+
+def _reward_program(
+    reward_model: ModelConfig, layout: RunLayout, r: int, mesh: Mesh
+) -> tuple[Callable[..., jax.Array], Any]:
+    """The jitted reward-model scoring and the reward model's parameter shardings."""
+    rm_rules = rules_for("reward", "score")
+    forward = RolloutForward(
+        build_sharded(reward_model, mesh, rm_rules, "scalar"), r, layout.rl.groups.score
+    )
+    program = jax.jit(
+        functools.partial(
+            reward_model_scores,
+            forward,
+            num_micro=layout.rl.score_micro,
+            mesh=mesh,
+            rules=rules_for("policy", "score"),
+        )
+    )
+    return program, param_shardings(reward_model, mesh, rm_rules, "scalar")
 
 
 def build_rl_programs(
@@ -227,43 +278,15 @@ def build_rl_programs(
     """
     algo, rl = rl_section(cfg), layout.rl
     r, groups = algo.rollout.max_new_tokens, rl.groups
-    policy, policy_sh = _learner(
-        model,
-        mesh,
-        "policy",
-        "lm",
-        cfg.optimizer,
-        rl.updates,
-        lambda module: rl_steps.policy_objective(
-            algo.loss, RolloutForward(module, r, groups.update)
-        ),
-    )
-    value = value_sh = None
-    if isinstance(algo, PPOConfig):
-        critic_opt = cfg.optimizer
-        if algo.critic_lr is not None:
-            critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
-        gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
-        value, value_sh = _learner(
-            model,
-            mesh,
-            "value",
-            "scalar",
-            critic_opt,
-            rl.updates,
-            lambda module: rl_steps.value_objective(
-                algo.value_clip,
-                algo.loss.aggregation,
-                RolloutForward(module, r, groups.update),
-                gae,
-            ),
-        )
+    policy, policy_sh, value, value_sh = _learners(cfg, layout, model, mesh)
     score_rules = rules_for("policy", "score")
     # Old log-probs and values come from the learners' own (train-rule) modules, so the first
     # minibatch's forward is the scoring forward's computation (its ratio is 1).
     scoring = Scoring(
         algo=algo,
-        reference=_forward(model, mesh, "reference", "score", "lm", r, groups.score),
+        reference=RolloutForward(
+            build_sharded(model, mesh, rules_for("reference", "score"), "lm"), r, groups.score
+        ),
         policy=None if rl.reuse_policy_forward else RolloutForward(policy.module, r, groups.score),
         value=None
         if value is None or rl.reuse_value_forward
@@ -292,20 +315,7 @@ def build_rl_programs(
     )
     reward = reward_sh = None
     if reward_model is not None:
-        rm_rules = rules_for("reward", "score")
-        reward_sh = param_shardings(reward_model, mesh, rm_rules, "scalar")
-        rm_forward = RolloutForward(
-            build_sharded(reward_model, mesh, rm_rules, "scalar"), r, groups.score
-        )
-        reward = jax.jit(
-            functools.partial(
-                reward_model_scores,
-                rm_forward,
-                num_micro=rl.score_micro,
-                mesh=mesh,
-                rules=score_rules,
-            )
-        )
+        reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
     return RLPrograms(
         algo=algo,
         layout=layout,

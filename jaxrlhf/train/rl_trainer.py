@@ -267,18 +267,7 @@ class RLTrainer:
         timings["time/score_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        batch = LearnerBatch(
-            tokens=rows.tokens,
-            mask=rows.mask,
-            response_mask=rows.response_mask,
-            kl_coef=jnp.full((rollout.rows,), kl_coef),
-            ref_logprobs=scored.ref_logprobs,
-            old_logprobs=scored.old_logprobs,
-            old_values=scored.old_values,
-            returns=scored.returns,
-            advantages=scored.advantages,
-            token_rewards=scored.token_rewards,
-        )
+        batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef))
         states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
         states, update = programs.update(states, batch, key)
         self.policy_state = states[0]
@@ -398,6 +387,30 @@ def _value_params(cfg: RunConfig, programs: RLPrograms, policy_params: Any) -> A
     return jax.device_put(params, value_sh)
 
 
+def _initial_states(
+    cfg: RunConfig, programs: RLPrograms, key: jax.Array
+) -> tuple[TrainState, TrainState | None, Any]:
+    """``(policy state, critic state or None, reference params)`` in the programs'
+    shardings; the reference is a frozen copy of the initial policy."""
+    policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
+    ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
+        jax.tree.map(jnp.copy, policy_params)
+    )
+    value_state = None
+    if programs.value is not None:
+        value_params = _value_params(cfg, programs, policy_params)
+        value_state = init_state(value_params, programs.value.optimizer, programs.value_shardings)
+    policy_state = init_state(policy_params, programs.policy.optimizer, programs.policy_shardings)
+    return policy_state, value_state, ref_params
+
+
+def _kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | losses.FixedKL:
+    loss = algo.loss
+    if loss.kl_target is not None:
+        return losses.AdaptiveKLState(loss.kl_coef, loss.kl_target, loss.kl_horizon)
+    return losses.FixedKL(loss.kl_coef)
+
+
 def build_rl_trainer(
     cfg: RunConfig,
     *,
@@ -432,68 +445,48 @@ def build_rl_trainer(
         given_mesh(cfg.placement, mesh, source)
     algo = rl_section(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    model = model_with_tokenizer_ids(cfg, layout.model, tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
-    prompts = BatchIterator(
-        train_prompts,
-        algo.rollout.prompts_per_step,
-        cfg.data.max_prompt_length,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
-    reward_fn = rm_cfg = None
+    reward_fn = rm_cfg = task_fn = None
     if algo.reward.model_dir is not None:
         rm_cfg = load_hf_config(algo.reward.model_dir)
     else:
         reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
-    task_fn = None
     if cfg.data.train.startswith(BUILTIN_PREFIX):
         task_fn = resolve_reward_fn("builtin", cfg.data.train)
     programs = build_rl_programs(
         cfg,
         layout,
-        model,
+        model_with_tokenizer_ids(cfg, layout.model, tokenizer),
         mesh,
         generate_mesh(cfg.placement, mesh),
         _sampling(algo, tokenizer),
         reward_model=rm_cfg,
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
-    policy_params = init_params(cfg, model, "lm", programs.policy_shardings.params, init_key)
-    ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
-        jax.tree.map(jnp.copy, policy_params)
-    )
+    policy_state, value_state, ref_params = _initial_states(cfg, programs, init_key)
     rm_params = None
     if rm_cfg is not None:
         rm_params = load_params(
             algo.reward.model_dir, rm_cfg, head="scalar", shardings=programs.reward_shardings
         )
-    value_state = None
-    if programs.value is not None:
-        value_state = init_state(
-            _value_params(cfg, programs, policy_params),
-            programs.value.optimizer,
-            programs.value_shardings,
-        )
-    policy_state = init_state(policy_params, programs.policy.optimizer, programs.policy_shardings)
-    if algo.loss.kl_target is not None:
-        kl_state = losses.AdaptiveKLState(
-            algo.loss.kl_coef, algo.loss.kl_target, algo.loss.kl_horizon
-        )
-    else:
-        kl_state = losses.FixedKL(algo.loss.kl_coef)
     return RLTrainer(
         cfg=cfg,
         layout=layout,
         programs=programs,
         tokenizer=tokenizer,
-        prompts=prompts,
+        prompts=BatchIterator(
+            train_prompts,
+            algo.rollout.prompts_per_step,
+            cfg.data.max_prompt_length,
+            seed=cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+        ),
         reward_fn=reward_fn,
         task_fn=task_fn,
         policy_state=policy_state,
         value_state=value_state,
         ref_params=ref_params,
         rm_params=rm_params,
-        kl_state=kl_state,
+        kl_state=_kl_controller(algo),
         key=run_key,
     )

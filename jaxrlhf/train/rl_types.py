@@ -133,6 +133,22 @@ class LearnerBatch:
     advantages: Float[Array, "N T"] | None = None
     token_rewards: Float[Array, "N T"] | None = None
 
+    @classmethod
+    def of(cls, rows: RolloutRows, scored: Scored, kl_coef: Float[Array, " N"]) -> LearnerBatch:
+        """The update's input for ``rows`` as ``scored``, with ``kl_coef`` per row."""
+        return cls(
+            tokens=rows.tokens,
+            mask=rows.mask,
+            response_mask=rows.response_mask,
+            kl_coef=kl_coef,
+            ref_logprobs=scored.ref_logprobs,
+            old_logprobs=scored.old_logprobs,
+            old_values=scored.old_values,
+            returns=scored.returns,
+            advantages=scored.advantages,
+            token_rewards=scored.token_rewards,
+        )
+
 
 @flax.struct.dataclass
 class ForwardOutputs:

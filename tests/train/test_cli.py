@@ -121,7 +121,7 @@ def test_cli_cpu_devices_after_jax_started_is_one_line(tmp_path, capsys):
 
 def test_pipeline_stages_must_agree_on_cpu_devices(tmp_path):
     from jaxrlhf.config import ConfigError
-    from jaxrlhf.train.__main__ import requested_cpu_devices
+    from jaxrlhf.train.pipeline import requested_cpu_devices
 
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("algorithm: sft\nplacement: {cpu_devices: 2}\n")
