@@ -7,7 +7,11 @@
 * ``ipo``: length-averaged log-probs against the reference (as TRL);
 * ``simpo``: length-averaged log-probs, no reference;
 * ``orpo``: NLL of the chosen response (mean token log-prob per pair) plus ``beta`` times
-  the odds-ratio term, no reference.
+  the odds-ratio term, no reference;
+* TRL's other paired loss types, on summed log-probs against the reference: ``robust``,
+  ``bco_pair`` (baseline: the batch mean of the implicit rewards), ``nca_pair``,
+  ``apo_zero``, ``apo_down``, ``exo_pair``, ``sppo_hard``, ``aot``, ``aot_unpaired`` (see
+  ``jaxrlhf.losses.preference_variants``). ``f_divergence`` selects f-DPO's divergence.
 
 The reference log-probs are computed once per batch by a separate jitted scoring function
 under the reference role's score rules (or once for the whole dataset with
@@ -27,17 +31,36 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.train.reward_model import pair_mask
 from jaxrlhf.train.steps import Batch, Metrics, Objective, Reference
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+# TRL loss_type -> loss function with dpo_loss's four log-prob arguments.
+_VARIANTS = {
+    "robust": losses.robust_dpo_loss,
+    "bco_pair": losses.bco_pair_loss,
+    "nca_pair": losses.nca_pair_loss,
+    "apo_zero": losses.apo_zero_loss,
+    "apo_down": losses.apo_down_loss,
+    "exo_pair": losses.exo_pair_loss,
+    "sppo_hard": losses.sppo_hard_loss,
+    "aot": losses.aot_loss,
+    "aot_unpaired": losses.aot_unpaired_loss,
+}
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo", *_VARIANTS)
+F_DIVERGENCES = losses.F_DIVERGENCES
 _REFERENCE_FREE = ("simpo", "orpo")
+_SMOOTHED = ("sigmoid", "simpo", "robust", "exo_pair", "aot", "aot_unpaired")
+_F_DIVERGENCE = ("sigmoid", "hinge", "robust", "bco_pair", "nca_pair", "exo_pair", "sppo_hard")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOConfig:
     """Attributes:
-    beta: inverse temperature (sigmoid, hinge, simpo), regularisation (ipo) or odds-ratio
-      weight (orpo).
+    beta: inverse temperature or reward scale (sigmoid, hinge, simpo and TRL's variants),
+      regularisation (ipo) or odds-ratio weight (orpo).
     loss_type: one of ``LOSS_TYPES``.
-    label_smoothing: cDPO / SimPO label-flip probability.
+    label_smoothing: label-flip probability of cDPO (sigmoid), SimPO, robust and AOT; EXO's
+      epsilon (exo_pair needs it > 0; the paper uses 1e-3).
+    f_divergence: f-DPO's divergence, one of ``F_DIVERGENCES``; other than reverse_kl only
+      with loss_type sigmoid, hinge, robust, bco_pair, nca_pair, exo_pair or sppo_hard.
+    f_alpha: the alpha of ``alpha_divergence`` (0: reverse KL, 1: forward KL).
     simpo_gamma: SimPO's target margin.
     reference_hf_dir: the reference model's checkpoint; null = frozen copy of the initial
       policy.
@@ -47,6 +70,8 @@ class DPOConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
+    f_divergence: str = "reverse_kl"
+    f_alpha: float = 0.5
     simpo_gamma: float = 0.5
     reference_hf_dir: str | None = None
     precompute_reference: bool = False
@@ -60,9 +85,20 @@ class DPOConfig:
             raise ValueError(f"beta: must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+        if self.label_smoothing and self.loss_type not in _SMOOTHED:
             raise ValueError(
-                "label_smoothing: only applies to loss_type sigmoid or simpo, "
+                f"label_smoothing: only applies to loss_type {', '.join(_SMOOTHED)}, "
+                f"not {self.loss_type!r}"
+            )
+        if self.loss_type == "exo_pair" and not self.label_smoothing > 0:
+            raise ValueError("label_smoothing: exo_pair needs it > 0 (the EXO paper uses 1e-3)")
+        if self.f_divergence not in F_DIVERGENCES:
+            raise ValueError(
+                f"f_divergence: expected one of {list(F_DIVERGENCES)}, got {self.f_divergence!r}"
+            )
+        if self.f_divergence != "reverse_kl" and self.loss_type not in _F_DIVERGENCE:
+            raise ValueError(
+                f"f_divergence: only applies to loss_type {', '.join(_F_DIVERGENCE)}, "
                 f"not {self.loss_type!r}"
             )
 
@@ -103,16 +139,16 @@ def loss_fn(cfg: DPOConfig, module: Any, params: Any, batch: Batch) -> tuple[jax
         loss = -losses.masked_mean(chosen, real) + odds_loss
     else:
         ref = batch["reference_logps"]
-        loss, m = losses.dpo_loss(
-            chosen,
-            rejected,
-            ref[:, 0],
-            ref[:, 1],
-            beta=cfg.beta,
-            loss_type=cfg.loss_type,
-            label_smoothing=cfg.label_smoothing,
-            pair_mask=real,
-        )
+        kwargs = {"beta": cfg.beta, "pair_mask": real}
+        if cfg.loss_type in _SMOOTHED:
+            kwargs["label_smoothing"] = cfg.label_smoothing
+        if cfg.loss_type in _F_DIVERGENCE:
+            kwargs.update(f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha)
+        if cfg.loss_type in _VARIANTS:
+            fn = _VARIANTS[cfg.loss_type]
+        else:
+            fn = functools.partial(losses.dpo_loss, loss_type=cfg.loss_type)
+        loss, m = fn(chosen, rejected, ref[:, 0], ref[:, 1], **kwargs)
     return loss, {
         "loss/dpo": loss,
         "dpo/margin": m["rewards/margin"],
