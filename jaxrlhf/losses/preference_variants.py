@@ -12,8 +12,8 @@ applies an f-divergence; ``h = s_c - s_r``; ``sigma`` the logistic function. Eac
 names the TRL ``loss_type``.
 
 Two losses couple the pairs of a batch: ``bco_pair_loss``'s batch baseline and the AOT losses'
-sort. Their value on a batch split into micro-batches (gradient accumulation) is the mean of
-per-micro-batch values, not the full-batch value.
+sort. On a batch split into micro-batches (gradient accumulation) they are computed per
+micro-batch, so the accumulated loss is not the full-batch value.
 """
 
 import functools

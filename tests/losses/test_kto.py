@@ -52,7 +52,7 @@ def _inputs(seed):
 def test_kto_matches_reference(loss_type, wd, wu):
     lp, ref, desirable, kl_lp, kl_ref, mask = _inputs(0)
     kw = dict(beta=0.3, desirable_weight=wd, undesirable_weight=wu, loss_type=loss_type)
-    fn = lambda *a: losses.kto_loss(*a[:5], example_mask=a[5], **kw)  # noqa: E731
+    fn = lambda *a: losses.kto_loss(*a[:5], example_mask=a[5], **kw)
     loss, metrics = jax.jit(fn)(lp, ref, desirable, kl_lp, kl_ref, mask)
     expected, z0, chosen, rejected = ref_kto(
         lp, ref, desirable, kl_lp, kl_ref, mask, beta=0.3, wd=wd, wu=wu, loss_type=loss_type

@@ -177,7 +177,7 @@ def test_f_divergence_scores_hand_case():
     # JS log(u / (1 + u)) = log(2/3) = -0.4054651; alpha 0.5: -u^-0.5 / 0.5 = -1.4142136;
     # alpha 1 is forward KL again (-0.5).
     x = jnp.log(jnp.array([2.0]))
-    scores = lambda f, a=0.5: losses.f_divergence_scores(x, f_divergence=f, alpha=a)  # noqa: E731
+    scores = lambda f, a=0.5: losses.f_divergence_scores(x, f_divergence=f, alpha=a)
     assert_close(scores("reverse_kl"), [0.6931472])
     assert_close(scores("forward_kl"), [-0.5])
     assert_close(scores("js_divergence"), [-0.4054651])
