@@ -183,6 +183,7 @@ def reinforce_pp_advantages(
     mask: Bool[Array, "B T"],
     *,
     gamma: float = 1.0,
+    unbiased: bool = False,
     eps: float = 1e-8,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """REINFORCE++ (Hu 2025; OpenRLHF ``reinforce``): returns, globally batch-normalised.
@@ -193,7 +194,8 @@ def reinforce_pp_advantages(
         A_t = (G_t - mean(G)) / sqrt(var(G) + eps)     # mean/var over ALL valid tokens of batch
 
     ``rewards`` are per-token, normally ``token_rewards(score, kl, mask, kl_coef=...)`` so the
-    KL penalty sits in the reward. The variance is the biased one.
+    KL penalty sits in the reward. The variance is the biased one (OpenRLHF) unless
+    ``unbiased`` (see ``masked_whiten``).
 
     For **REINFORCE++ with baseline** (OpenRLHF ``reinforce_baseline``), subtract the group
     mean from the scores first: see ``reinforce_pp_baseline_advantages``.
@@ -202,13 +204,14 @@ def reinforce_pp_advantages(
         rewards: per-token rewards.
         mask: True on response tokens.
         gamma: discount (1.0 in OpenRLHF).
+        unbiased: Bessel's correction in the variance.
         eps: added to the variance.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]``, 0 where masked.
     """
     returns = discounted_returns(rewards, mask, gamma=gamma)
-    return masked_whiten(returns, mask, eps=eps), returns
+    return masked_whiten(returns, mask, unbiased=unbiased, eps=eps), returns
 
 
 def reinforce_pp_baseline_advantages(
@@ -216,6 +219,7 @@ def reinforce_pp_baseline_advantages(
     mask: Bool[Array, "B T"],
     *,
     group_size: int,
+    unbiased: bool = False,
     eps: float = 1e-8,
 ) -> Float[Array, "B T"]:
     """REINFORCE++-baseline: group-mean baseline, then global batch normalisation.
@@ -236,6 +240,7 @@ def reinforce_pp_baseline_advantages(
         scores: one scalar reward per sequence, ordered as contiguous groups.
         mask: True on response tokens.
         group_size: samples per prompt; must divide ``B``.
+        unbiased: Bessel's correction in the variance (default biased, as OpenRLHF).
         eps: added to the variance.
 
     Returns:
@@ -243,7 +248,7 @@ def reinforce_pp_baseline_advantages(
     """
     baselined = dr_grpo_advantages(scores, group_size=group_size)
     tokens = broadcast_sequence_advantages(baselined, mask)
-    return masked_whiten(tokens, mask, eps=eps)
+    return masked_whiten(tokens, mask, unbiased=unbiased, eps=eps)
 
 
 def broadcast_sequence_advantages(
@@ -267,6 +272,7 @@ def whiten_rewards(
     mask: Bool[Array, "B T"],
     *,
     shift_mean: bool = False,
+    unbiased: bool = False,
     eps: float = 1e-8,
 ) -> Float[Array, "B T"]:
     """Reward whitening before GAE (TRL ``whiten_rewards``): ``masked_whiten`` over the batch.
@@ -279,12 +285,14 @@ def whiten_rewards(
         rewards: per-token rewards.
         mask: True on response tokens; masked outputs are 0.
         shift_mean: also subtract the mean.
+        unbiased: Bessel's correction in the variance (TRL's ``masked_whiten`` applies it;
+            the default here is biased, see ``masked_whiten``).
         eps: added to the variance.
 
     Returns:
         ``[B, T]`` whitened rewards.
     """
-    return masked_whiten(rewards, mask, shift_mean=shift_mean, eps=eps)
+    return masked_whiten(rewards, mask, shift_mean=shift_mean, unbiased=unbiased, eps=eps)
 
 
 def token_rewards(

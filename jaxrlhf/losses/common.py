@@ -119,19 +119,27 @@ def masked_whiten(
     mask: Bool[Array, "*shape"],
     *,
     shift_mean: bool = True,
+    unbiased: bool = False,
     eps: float = 1e-8,
 ) -> Float[Array, "*shape"]:
     """Normalises ``x`` with the mean and variance of its counted positions (the whole array).
 
     ``w_i = (x_i - mu) / sqrt(var + eps)``, plus ``mu`` again when ``shift_mean`` is False (so
-    only the scale changes, as TRL does for reward whitening). ``mu`` and ``var`` (biased) come
-    from ``masked_mean`` / ``masked_var`` over every position where ``mask`` is True, i.e. one
+    only the scale changes, as TRL does for reward whitening). ``mu`` and ``var`` come from
+    ``masked_mean`` / ``masked_var`` over every position where ``mask`` is True, i.e. one
     global statistic for the batch, not one per row. Masked positions of the result are 0.
+
+    ``var`` is biased (divides by ``n``, as trlX and OpenRLHF) unless ``unbiased`` (divides by
+    ``n - 1``, as TRL's and verl's ``masked_whiten``). The default stays biased so existing runs
+    are unchanged; the two differ by a factor ``sqrt(n / (n - 1))`` on the result, which is
+    about 0.05% at 1000 valid tokens and matters only for tiny batches. With
+    ``unbiased`` and a single counted position, ``var`` is 0 (not NaN; see ``masked_var``).
 
     Args:
         x: values.
         mask: True = counted, and the positions that get a non-zero output.
         shift_mean: subtract the mean (True) or keep it (False).
+        unbiased: Bessel's correction in the variance.
         eps: added to the variance.
 
     Returns:
@@ -140,7 +148,7 @@ def masked_whiten(
     x = as_float(x)
     mask = as_mask(mask, x.shape)
     mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    var = masked_var(x, mask, unbiased=unbiased)
     white = (x - mean) * jax.lax.rsqrt(var + eps)
     if not shift_mean:
         white = white + mean

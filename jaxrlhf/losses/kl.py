@@ -9,6 +9,11 @@ policy ``pi``; with ``log_r = log pi(y_t) - log pi_ref(y_t)``, each is a per-tok
 * ``k3 = exp(-log_r) - 1 + log_r``: unbiased, low variance, non-negative (GRPO's KL term;
   verl ``low_var_kl``).
 
+k3 grows like ``exp(-log_r)`` where the policy puts far less mass than the reference on a
+token: ``log_r`` is clamped to [-20, 20] so it stays finite in float32, which still allows
+``k3 = e^20 - 21 ~ 4.9e8`` for one token. ``k3_clamp=c`` also clips the k3 value to
+``[-c, c]``, as verl's ``low_var_kl`` does with ``c = 10``.
+
 The controllers are small ``NamedTuple`` pytrees with a pure update, so they can live in a
 jitted train state.
 """
@@ -30,32 +35,45 @@ def kl_estimate(
     ref_logprobs: Float[Array, "*B T"],
     *,
     estimator: str = "k1",
+    k3_clamp: float | None = None,
 ) -> Float[Array, "*B T"]:
     """Per-token KL estimate ``k1``, ``k2`` or ``k3`` of ``KL(pi || pi_ref)``, unmasked.
 
     ``log_r = logprobs - ref_logprobs``; ``k1 = log_r``, ``k2 = log_r^2 / 2``,
-    ``k3 = exp(-log_r) - 1 + log_r`` (``log_r`` clamped to [-20, 20] for k3 only).
+    ``k3 = exp(-log_r) - 1 + log_r`` (``log_r`` clamped to [-20, 20] for k3 only), then
+    ``clip(k3, -k3_clamp, k3_clamp)`` when ``k3_clamp`` is set (verl: 10).
+
+    The clamp is off by default: it biases the estimate and zeroes the gradient of every token
+    it clips, and today's results stay bit-identical. Turn it on (10, as verl) for a k3 loss or
+    penalty when a few tokens with a very unlikely policy log-prob must not dominate the batch
+    mean (one token at ``log_r = -20`` gives 4.9e8).
 
     Args:
         logprobs: policy log-probs of the sampled tokens.
         ref_logprobs: reference-model log-probs of the same tokens.
         estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        k3_clamp: ``c > 0``: clip the k3 value to ``[-c, c]``; None = no clip (k3 only).
 
     Returns:
         Float32 per-token estimates.
 
     Raises:
-        ValueError: unknown estimator.
+        ValueError: unknown estimator; ``k3_clamp`` with another estimator or not > 0.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r}; expected one of {KL_ESTIMATORS}")
+    if k3_clamp is not None and (estimator != "k3" or not k3_clamp > 0):
+        raise ValueError(
+            f"k3_clamp={k3_clamp!r} needs estimator='k3' (got {estimator!r}) and a value > 0"
+        )
     log_r = as_float(logprobs) - as_float(ref_logprobs)
     if estimator == "k1":
         return log_r
     if estimator == "k2":
         return 0.5 * log_r**2
     log_r = jnp.clip(log_r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return jnp.expm1(-log_r) + log_r
+    k3 = jnp.expm1(-log_r) + log_r
+    return k3 if k3_clamp is None else jnp.clip(k3, -k3_clamp, k3_clamp)
 
 
 def kl_penalty(
@@ -64,6 +82,7 @@ def kl_penalty(
     mask: Bool[Array, "B T"],
     *,
     estimator: str = "k1",
+    k3_clamp: float | None = None,
 ) -> Float[Array, "B T"]:
     """Per-token KL for the reward: ``kl_t = k(log_r_t)`` where ``mask``, else 0.
 
@@ -75,6 +94,7 @@ def kl_penalty(
         ref_logprobs: reference log-probs of the same tokens.
         mask: True on response tokens; other positions are 0 and never touched by ``exp``.
         estimator: ``"k1"`` (PPO-RLHF default, as in Ziegler et al.), ``"k2"`` or ``"k3"``.
+        k3_clamp: clip k3 to ``[-k3_clamp, k3_clamp]`` (see ``kl_estimate``); None = off.
 
     Returns:
         Masked per-token KL estimates.
@@ -82,7 +102,7 @@ def kl_penalty(
     logprobs = as_float(logprobs)
     mask = as_mask(mask, logprobs.shape)
     ref = jnp.where(mask, as_float(ref_logprobs), 0.0)
-    kl = kl_estimate(jnp.where(mask, logprobs, 0.0), ref, estimator=estimator)
+    kl = kl_estimate(jnp.where(mask, logprobs, 0.0), ref, estimator=estimator, k3_clamp=k3_clamp)
     return jnp.where(mask, kl, 0.0)
 
 
@@ -92,6 +112,7 @@ def kl_loss(
     mask: Bool[Array, "B T"],
     *,
     estimator: str = "k3",
+    k3_clamp: float | None = None,
     aggregation: str = "token_mean",
     norm_constant: float | None = None,
 ) -> tuple[Scalar, Metrics]:
@@ -106,6 +127,8 @@ def kl_loss(
         ref_logprobs: reference log-probs.
         mask: True on tokens that count.
         estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        k3_clamp: clip k3 to ``[-k3_clamp, k3_clamp]`` (verl: 10; see ``kl_estimate``);
+            None = off. Clipped tokens get no gradient.
         aggregation: see ``aggregate_loss``.
         norm_constant: denominator for ``aggregation="token_sum_norm"``.
 
@@ -114,7 +137,7 @@ def kl_loss(
         (0 when nothing counts).
     """
     ref = jax.lax.stop_gradient(as_float(ref_logprobs))
-    kl = kl_penalty(logprobs, ref, mask, estimator=estimator)
+    kl = kl_penalty(logprobs, ref, mask, estimator=estimator, k3_clamp=k3_clamp)
     loss = aggregate_loss(kl, mask, aggregation=aggregation, norm_constant=norm_constant)
     kl_c = jax.lax.stop_gradient(kl)
     mask = as_mask(mask, kl.shape)

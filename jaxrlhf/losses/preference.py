@@ -6,10 +6,15 @@ length-averaged (SimPO, ORPO) response log-probabilities, obtained with
 ``pair_mask [B]`` (True = real pair) lets a padded batch keep a fixed shape; the loss is the
 mean over real pairs (0 if there are none). Reference log-probs are constants.
 
+``dpo_loss`` also takes f-DPO's ``f_divergence`` (``f_divergence_scores``) and per-pair
+``pair_weights`` (WPO); TRL's other DPO loss types are in ``preference_variants``.
+
 Diagnostics follow TRL's names: ``rewards/chosen`` and ``rewards/rejected`` (mean implicit
 reward), ``rewards/accuracy`` (fraction with chosen > rejected) and ``rewards/margin`` (mean
 chosen - rejected), all over real pairs.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +31,82 @@ from jaxrlhf.losses.common import (
 )
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # Mean log-prob at which ORPO's log(1 - p) is evaluated at most: p = 1 exactly gives -inf.
 _ORPO_MAX_LOGP = -1e-6
+# Largest exponent in the f-divergence scores: exp(80) ~ 5.5e34 is finite in float32 (TRL's cap).
+_MAX_EXPONENT = 80.0
 
 
 def _pair_mask(pair_mask: Array | None, like: Array) -> Array:
     return jnp.ones(like.shape, bool) if pair_mask is None else as_mask(pair_mask, like.shape)
 
 
-def _pair_metrics(chosen: Array, rejected: Array, pair_mask: Array) -> Metrics:
+def log_ratios(
+    policy_chosen: Array,
+    policy_rejected: Array,
+    reference_chosen: Array,
+    reference_rejected: Array,
+    pair_mask: Array | None,
+) -> tuple[Array, Array, Array]:
+    """``(logp_c - ref_c, logp_r - ref_r, mask)``, references constant, padding pairs 0."""
+    chosen = as_float(policy_chosen) - jax.lax.stop_gradient(as_float(reference_chosen))
+    rejected = as_float(policy_rejected) - jax.lax.stop_gradient(as_float(reference_rejected))
+    mask = _pair_mask(pair_mask, chosen)
+    return jnp.where(mask, chosen, 0.0), jnp.where(mask, rejected, 0.0), mask
+
+
+def pair_mean(losses: Array, mask: Array, pair_weights: Array | None) -> Array:
+    """Mean over real pairs of ``w * loss`` (WPO's weights are constants; TRL: no renorm)."""
+    if pair_weights is not None:
+        losses = losses * jax.lax.stop_gradient(as_float(pair_weights))
+    return masked_mean(losses, mask)
+
+
+def f_divergence_scores(
+    log_ratios: Float[Array, "*B"], *, f_divergence: str = "reverse_kl", alpha: float = 0.5
+) -> Float[Array, "*B"]:
+    """``f'(u)`` of f-DPO (Wang et al. 2023) at ``u = pi / pi_ref``, up to an additive constant.
+
+    f-DPO replaces the log-ratio ``log u`` inside a DPO-style loss by ``f'(u)`` of the
+    divergence that regularises the policy (TRL ``f_divergence_type``)::
+
+        reverse_kl:        log u                         # standard DPO
+        forward_kl:        -1 / u = -exp(-log u)
+        js_divergence:     log(u / (1 + u)) = log sigma(log u)
+        alpha_divergence:  (1 - u^-alpha) / alpha -> -exp(-alpha log u) / alpha
+
+    The constants dropped (``+1``, ``log 2``, ``1 / alpha``) cancel in ``s_c - s_r``. ``alpha``
+    follows the paper and TRL's documented ``u^-alpha`` form: ``alpha -> 0`` is reverse KL
+    (``|alpha| < 1e-6`` returns ``log u``) and ``alpha = 1`` is forward KL. TRL's code since
+    its DPO refactor (#3906) uses ``(u^(a - 1) - 1) / (a - 1)``, i.e. ``a = 1 - alpha``; both
+    agree at the default 0.5. Exponents are capped at 80 (as TRL) so the scores stay finite
+    in float32; a capped score has zero gradient.
+
+    Args:
+        log_ratios: ``log pi(y) - log pi_ref(y)``, e.g. summed over a response.
+        f_divergence: one of ``F_DIVERGENCES``.
+        alpha: the alpha-divergence coefficient (``alpha_divergence`` only).
+
+    Returns:
+        The scores, same shape.
+
+    Raises:
+        ValueError: unknown ``f_divergence``.
+    """
+    if f_divergence not in F_DIVERGENCES:
+        raise ValueError(f"f_divergence={f_divergence!r}; expected one of {F_DIVERGENCES}")
+    x = as_float(log_ratios)
+    if f_divergence == "reverse_kl" or (f_divergence == "alpha_divergence" and abs(alpha) < 1e-6):
+        return x
+    if f_divergence == "js_divergence":
+        return jax.nn.log_sigmoid(x)
+    if f_divergence == "forward_kl":
+        alpha = 1.0
+    return -jnp.exp(jnp.minimum(-alpha * x, _MAX_EXPONENT)) / alpha
+
+
+def pair_metrics(chosen: Array, rejected: Array, pair_mask: Array) -> Metrics:
     chosen, rejected = jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
     return {
         "rewards/chosen": masked_mean(chosen, pair_mask),
@@ -44,7 +116,7 @@ def _pair_metrics(chosen: Array, rejected: Array, pair_mask: Array) -> Metrics:
     }
 
 
-def _smoothed_sigmoid_loss(z: Array, label_smoothing: float) -> Array:
+def smoothed_sigmoid_loss(z: Array, label_smoothing: float) -> Array:
     """``-(1 - e) log sigma(z) - e log sigma(-z)``: BCE against a soft label ``1 - e``."""
     positive = jax.nn.log_sigmoid(z)
     negative = jax.nn.log_sigmoid(-z)
@@ -60,18 +132,27 @@ def dpo_loss(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
+    f_divergence: str = "reverse_kl",
+    f_alpha: float = 0.5,
+    pair_weights: Float[Array, " B"] | None = None,
     pair_mask: Bool[Array, " B"] | None = None,
 ) -> tuple[Scalar, Metrics]:
-    """DPO (Rafailov et al. 2023) and its IPO, hinge and conservative variants.
+    """DPO (Rafailov et al. 2023) and its IPO, hinge, conservative and f-divergence variants.
 
-    With ``h = (logp_c - ref_c) - (logp_r - ref_r)`` (summed response log-probs)::
+    With ``s = f_divergence_scores(logp - ref)`` (the log-ratio itself for the default
+    ``reverse_kl``) of summed response log-probs and ``h = s_c - s_r``::
 
         sigmoid: -(1 - e) log sigma(beta h) - e log sigma(-beta h)  # e > 0: cDPO
         ipo:     (h - 1 / (2 beta))^2                               # Azar et al. 2023
         hinge:   relu(1 - beta h)                                   # SLiC (Zhao et al. 2023)
 
-    averaged over real pairs. The implicit rewards in the metrics are ``beta (logp - ref)``.
-    IPO is defined on whatever log-probs you pass; TRL's ``ipo`` passes length-averaged ones.
+    then ``mean_i w_i loss_i`` over real pairs (``w = pair_weights``, e.g. WPO's, constant; 1
+    when None). The implicit rewards in the metrics are ``beta (logp - ref)``. IPO is defined
+    on whatever log-probs you pass; TRL's ``ipo`` passes length-averaged ones.
+
+    ``f_divergence`` other than reverse KL is f-DPO (TRL ``f_divergence_type``); not with IPO,
+    which TRL applies to the length-average of the *scores*: with length-averaged log-probs
+    passed in, only reverse KL gives the same number.
 
     Args:
         policy_chosen_logps: policy log-prob of each chosen response.
@@ -81,34 +162,41 @@ def dpo_loss(
         beta: inverse temperature (sigmoid, hinge) / regularisation (IPO).
         loss_type: ``"sigmoid"``, ``"ipo"`` or ``"hinge"``.
         label_smoothing: ``e``, the assumed probability that a label is flipped (sigmoid only).
+        f_divergence: one of ``F_DIVERGENCES`` (see ``f_divergence_scores``).
+        f_alpha: the alpha-divergence coefficient.
+        pair_weights: per-pair loss weights (WPO: ``wpo_weights`` of chosen times rejected).
         pair_mask: True = real pair.
 
     Returns:
         ``(loss, metrics)`` with the ``rewards/*`` metrics.
 
     Raises:
-        ValueError: unknown ``loss_type``, or ``label_smoothing`` with a non-sigmoid loss.
+        ValueError: unknown ``loss_type``, ``label_smoothing`` with a non-sigmoid loss, or an
+            f-divergence with IPO.
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; expected one of {DPO_LOSS_TYPES}")
     if label_smoothing and loss_type != "sigmoid":
         raise ValueError("label_smoothing only applies to loss_type='sigmoid' (cDPO)")
-    chosen_ratio = as_float(policy_chosen_logps) - jax.lax.stop_gradient(
-        as_float(reference_chosen_logps)
+    if f_divergence != "reverse_kl" and loss_type == "ipo":
+        raise ValueError(f"f_divergence={f_divergence!r} is not defined for loss_type='ipo'")
+    chosen_ratio, rejected_ratio, mask = log_ratios(
+        policy_chosen_logps,
+        policy_rejected_logps,
+        reference_chosen_logps,
+        reference_rejected_logps,
+        pair_mask,
     )
-    rejected_ratio = as_float(policy_rejected_logps) - jax.lax.stop_gradient(
-        as_float(reference_rejected_logps)
-    )
-    mask = _pair_mask(pair_mask, chosen_ratio)
-    h = jnp.where(mask, chosen_ratio - rejected_ratio, 0.0)
+    scores = functools.partial(f_divergence_scores, f_divergence=f_divergence, alpha=f_alpha)
+    h = scores(chosen_ratio) - scores(rejected_ratio)
     if loss_type == "sigmoid":
-        losses = _smoothed_sigmoid_loss(beta * h, label_smoothing)
+        losses = smoothed_sigmoid_loss(beta * h, label_smoothing)
     elif loss_type == "ipo":
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     else:
         losses = jax.nn.relu(1.0 - beta * h)
-    metrics = _pair_metrics(beta * chosen_ratio, beta * rejected_ratio, mask)
-    return masked_mean(losses, mask), metrics
+    metrics = pair_metrics(beta * chosen_ratio, beta * rejected_ratio, mask)
+    return pair_mean(losses, mask, pair_weights), metrics
 
 
 def simpo_loss(
@@ -145,8 +233,8 @@ def simpo_loss(
     rejected = beta * as_float(rejected_avg_logps)
     mask = _pair_mask(pair_mask, chosen)
     z = jnp.where(mask, chosen - rejected - gamma, 0.0)
-    losses = _smoothed_sigmoid_loss(z, label_smoothing)
-    return masked_mean(losses, mask), _pair_metrics(chosen, rejected, mask)
+    losses = smoothed_sigmoid_loss(z, label_smoothing)
+    return masked_mean(losses, mask), pair_metrics(chosen, rejected, mask)
 
 
 def _log1mexp(x: Array) -> Array:
@@ -191,7 +279,7 @@ def orpo_odds_ratio_loss(
     r = jnp.minimum(jnp.where(mask, rejected, -1.0), _ORPO_MAX_LOGP)
     log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
     log_sig = jax.nn.log_sigmoid(log_odds)
-    metrics = _pair_metrics(beta * chosen, beta * rejected, mask)
+    metrics = pair_metrics(beta * chosen, beta * rejected, mask)
     metrics["orpo/log_odds_ratio"] = masked_mean(jax.lax.stop_gradient(log_sig), mask)
     metrics["orpo/log_odds"] = masked_mean(jax.lax.stop_gradient(log_odds), mask)
     return -beta * masked_mean(log_sig, mask), metrics
@@ -226,7 +314,7 @@ def bradley_terry_loss(
     if margin is not None:
         diff = diff - jax.lax.stop_gradient(as_float(margin))
     losses = -jax.nn.log_sigmoid(jnp.where(mask, diff, 0.0))
-    return masked_mean(losses, mask), _pair_metrics(chosen, rejected, mask)
+    return masked_mean(losses, mask), pair_metrics(chosen, rejected, mask)
 
 
 def sft_loss(

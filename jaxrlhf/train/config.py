@@ -11,9 +11,33 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrlhf.losses import F_DIVERGENCES
+
 SCHEDULES = ("cosine", "linear", "constant")
-DPO_LOSS_CHOICES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+# TRL's other paired DPO loss types (train/dpo.py maps each to its loss function).
+DPO_VARIANT_LOSSES = (
+    "robust",
+    "bco_pair",
+    "nca_pair",
+    "apo_zero",
+    "apo_down",
+    "exo_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+)
+DPO_LOSS_CHOICES = ("sigmoid", "ipo", "hinge", "simpo", "orpo", *DPO_VARIANT_LOSSES)
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+DPO_SMOOTHED_LOSSES = ("sigmoid", "simpo", "robust", "exo_pair", "aot", "aot_unpaired")
+DPO_F_DIVERGENCE_LOSSES = (
+    "sigmoid",
+    "hinge",
+    "robust",
+    "bco_pair",
+    "nca_pair",
+    "exo_pair",
+    "sppo_hard",
+)
 SFT_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 PROGRESS_MODES = ("auto", "rich", "tqdm", "plain", "none")
 EXPORT_DTYPES = (None, "float32", "bfloat16", "float16")
@@ -221,10 +245,14 @@ class RewardModelConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOConfig:
     """Attributes:
-    beta: inverse temperature (sigmoid, hinge, simpo), regularisation (ipo) or odds-ratio
-      weight (orpo).
+    beta: inverse temperature or reward scale (sigmoid, hinge, simpo and TRL's variants),
+      regularisation (ipo) or odds-ratio weight (orpo).
     loss_type: one of ``DPO_LOSS_CHOICES``.
-    label_smoothing: cDPO / SimPO label-flip probability.
+    label_smoothing: label-flip probability of cDPO (sigmoid), SimPO, robust and AOT; EXO's
+      epsilon (exo_pair needs it > 0; the paper uses 1e-3).
+    f_divergence: f-DPO's divergence, one of ``F_DIVERGENCES``; other than reverse_kl only
+      with loss_type sigmoid, hinge, robust, bco_pair, nca_pair, exo_pair or sppo_hard.
+    f_alpha: the alpha of ``alpha_divergence`` (0: reverse KL, 1: forward KL).
     simpo_gamma: SimPO's target margin.
     reference_hf_dir: the reference model's checkpoint; null = frozen copy of the initial
       policy.
@@ -234,6 +262,8 @@ class DPOConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
+    f_divergence: str = "reverse_kl"
+    f_alpha: float = 0.5
     simpo_gamma: float = 0.5
     reference_hf_dir: str | None = None
     precompute_reference: bool = False
@@ -247,10 +277,21 @@ class DPOConfig:
             raise ValueError(f"beta: must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+        if self.label_smoothing and self.loss_type not in DPO_SMOOTHED_LOSSES:
             raise ValueError(
-                "label_smoothing: only applies to loss_type sigmoid or simpo, "
+                f"label_smoothing: only applies to loss_type {', '.join(DPO_SMOOTHED_LOSSES)}, "
                 f"not {self.loss_type!r}"
+            )
+        if self.loss_type == "exo_pair" and not self.label_smoothing > 0:
+            raise ValueError("label_smoothing: exo_pair needs it > 0 (the EXO paper uses 1e-3)")
+        if self.f_divergence not in F_DIVERGENCES:
+            raise ValueError(
+                f"f_divergence: expected one of {list(F_DIVERGENCES)}, got {self.f_divergence!r}"
+            )
+        if self.f_divergence != "reverse_kl" and self.loss_type not in DPO_F_DIVERGENCE_LOSSES:
+            raise ValueError(
+                "f_divergence: only applies to loss_type "
+                f"{', '.join(DPO_F_DIVERGENCE_LOSSES)}, not {self.loss_type!r}"
             )
 
     @property

@@ -7,7 +7,11 @@
 * ``ipo``: length-averaged log-probs against the reference (as TRL);
 * ``simpo``: length-averaged log-probs, no reference;
 * ``orpo``: NLL of the chosen response (mean token log-prob per pair) plus ``beta`` times
-  the odds-ratio term, no reference.
+  the odds-ratio term, no reference;
+* TRL's other paired loss types, on summed log-probs against the reference: ``robust``,
+  ``bco_pair`` (baseline: the batch mean of the implicit rewards), ``nca_pair``,
+  ``apo_zero``, ``apo_down``, ``exo_pair``, ``sppo_hard``, ``aot``, ``aot_unpaired`` (see
+  ``jaxrlhf.losses.preference_variants``). ``f_divergence`` selects f-DPO's divergence.
 
 The reference log-probs are computed once per batch by a separate jitted scoring function
 under the reference role's score rules (or once for the whole dataset with
@@ -23,9 +27,27 @@ import jax
 
 from jaxrlhf import losses
 from jaxrlhf.models import model as model_lib
-from jaxrlhf.train.config import DPOConfig
+from jaxrlhf.train.config import (
+    DPO_F_DIVERGENCE_LOSSES,
+    DPO_SMOOTHED_LOSSES,
+    DPOConfig,
+)
 from jaxrlhf.train.reward_model import pair_mask
 from jaxrlhf.train.steps import Batch, LossAux, Objective, Reference
+
+# TRL loss_type -> loss function with dpo_loss's four log-prob arguments (the names are
+# DPO_VARIANT_LOSSES in train/config.py, where the config checks them).
+VARIANT_LOSS_FNS = {
+    "robust": losses.robust_dpo_loss,
+    "bco_pair": losses.bco_pair_loss,
+    "nca_pair": losses.nca_pair_loss,
+    "apo_zero": losses.apo_zero_loss,
+    "apo_down": losses.apo_down_loss,
+    "exo_pair": losses.exo_pair_loss,
+    "sppo_hard": losses.sppo_hard_loss,
+    "aot": losses.aot_loss,
+    "aot_unpaired": losses.aot_unpaired_loss,
+}
 
 
 def sequence_logps(module: Any, params: Any, batch: Batch, *, average: bool) -> jax.Array:
@@ -56,16 +78,16 @@ def loss_fn(cfg: DPOConfig, module: Any, params: Any, batch: Batch) -> tuple[jax
         loss = -losses.masked_mean(chosen, real) + odds_loss
     else:
         ref = batch["reference_logps"]
-        loss, m = losses.dpo_loss(
-            chosen,
-            rejected,
-            ref[:, 0],
-            ref[:, 1],
-            beta=cfg.beta,
-            loss_type=cfg.loss_type,
-            label_smoothing=cfg.label_smoothing,
-            pair_mask=real,
-        )
+        kwargs = {"beta": cfg.beta, "pair_mask": real}
+        if cfg.loss_type in DPO_SMOOTHED_LOSSES:
+            kwargs["label_smoothing"] = cfg.label_smoothing
+        if cfg.loss_type in DPO_F_DIVERGENCE_LOSSES:
+            kwargs.update(f_divergence=cfg.f_divergence, f_alpha=cfg.f_alpha)
+        if cfg.loss_type in VARIANT_LOSS_FNS:
+            fn = VARIANT_LOSS_FNS[cfg.loss_type]
+        else:
+            fn = functools.partial(losses.dpo_loss, loss_type=cfg.loss_type)
+        loss, m = fn(chosen, rejected, ref[:, 0], ref[:, 1], **kwargs)
     return loss, LossAux(
         {
             "loss/dpo": loss,

@@ -37,9 +37,9 @@ def ref_returns(r, mask, gamma):
     return out
 
 
-def ref_global_whiten(x, mask, eps, shift_mean=True):
+def ref_global_whiten(x, mask, eps, shift_mean=True, ddof=0):
     vals = x[mask].astype(np.float64)
-    mu, var = vals.mean(), vals.var()
+    mu, var = vals.mean(), vals.var(ddof=ddof)
     out = (x - mu) / np.sqrt(var + eps) + (0.0 if shift_mean else mu)
     return np.where(mask, out, 0.0)
 
@@ -276,3 +276,29 @@ def test_token_rewards_hand_case():
     assert_close(out, [[0, -0.1, 1.85, 0], [0, 0, 0, 0]])
     out = losses.token_rewards(jnp.array([2.0, 5.0]), kl, mask, kl_coef=0.5, clip_reward=1.0)
     assert_close(out, [[0, -0.1, 0.85, 0], [0, 0, 0, 0]])
+
+
+def test_whitening_advantages_pass_unbiased_through():
+    # Bessel's correction (n - 1) where TRL / verl whiten; the default stays n (see above).
+    r, _, mask = _token_inputs(13, holes=True)
+    assert_close(
+        losses.whiten_rewards(r, mask, unbiased=True),
+        ref_global_whiten(r, mask, 1e-8, shift_mean=False, ddof=1),
+    )
+    adv, ret = losses.reinforce_pp_advantages(r, mask, unbiased=True)
+    assert_close(adv, ref_global_whiten(ref_returns(r, mask, 1.0), mask, 1e-8, ddof=1))
+    scores = _scores(14)
+    expected = ref_global_whiten(
+        np.where(mask, ref_group(scores, N, "dr_grpo")[:, None], 0.0), mask, 1e-8, ddof=1
+    )
+    assert_close(
+        losses.reinforce_pp_baseline_advantages(scores, mask, group_size=N, unbiased=True),
+        expected,
+    )
+
+
+def test_whiten_rewards_unbiased_hand_case():
+    # Rewards [1, 5, (pad)]: mean 3, unbiased var (4 + 4) / 1 = 8, std 2.828427:
+    # scale only: (r - 3) / 2.828427 + 3 = [2.292893, 3.707107].
+    r, mask = jnp.array([[1.0, 5.0, 100.0]]), jnp.array([[1, 1, 0]])
+    assert_close(losses.whiten_rewards(r, mask, unbiased=True), [[2.2928932, 3.7071068, 0.0]])

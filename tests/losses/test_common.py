@@ -76,6 +76,9 @@ def test_masked_var_and_whiten_match_reference():
     expected = np.where(mask, (x - mu) / np.sqrt(var + 1e-8), 0.0)
     assert_close(losses.masked_whiten(x, mask), expected)
     assert_close(losses.masked_whiten(x, mask, shift_mean=False), np.where(mask, expected + mu, 0))
+    var1 = ref_var(x, mask, ddof=1)
+    unbiased = np.where(mask, (x - mu) / np.sqrt(var1 + 1e-8), 0.0)
+    assert_close(losses.masked_whiten(x, mask, unbiased=True), unbiased)
 
 
 def test_masked_stats_hand_case():
@@ -87,6 +90,18 @@ def test_masked_stats_hand_case():
     assert_close(losses.masked_var(x, mask), 2.0 / 3.0)
     assert_close(losses.masked_var(x, mask, unbiased=True), 1.0)
     assert_close(losses.masked_whiten(x, mask), [-1.2247449, 0.0, 1.2247449, 0.0])
+    # Unbiased var 1: (x - 2) / sqrt(1 + 1e-8) = [-1, 0, 1] (to 5e-9).
+    assert_close(losses.masked_whiten(x, mask, unbiased=True), [-1.0, 0.0, 1.0, 0.0])
+
+
+def test_unbiased_whiten_of_one_position_is_finite():
+    # n = 1: n - 1 = 0, so the variance is 0 / max(0, 1) = 0 and the output (x - mu) = 0.
+    x, mask = jnp.array([3.0, 7.0]), jnp.array([True, False])
+    out, grad = jax.jit(
+        jax.value_and_grad(lambda x: jnp.sum(losses.masked_whiten(x, mask, unbiased=True)))
+    )(x)
+    assert float(losses.masked_var(x, mask, unbiased=True)) == 0.0
+    assert float(out) == 0.0 and np.all(np.isfinite(np.asarray(grad)))
 
 
 def test_masked_stats_empty_mask_are_finite_with_finite_grads():

@@ -86,6 +86,51 @@ def test_kl_loss_gradient_flows_to_logprobs_only():
 def test_kl_estimate_rejects_unknown():
     with pytest.raises(ValueError, match="estimator"):
         losses.kl_estimate(jnp.zeros(2), jnp.zeros(2), estimator="k4")
+    with pytest.raises(ValueError, match="k3_clamp"):
+        losses.kl_estimate(jnp.zeros(2), jnp.zeros(2), estimator="k1", k3_clamp=10.0)
+    with pytest.raises(ValueError, match="k3_clamp"):
+        losses.kl_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)), k3_clamp=0.0)
+
+
+# ----------------------------------------------------------------------------- k3 clamp
+def ref_k3_clamped(lp, ref, clamp):
+    log_r = np.clip(lp.astype(np.float64) - ref.astype(np.float64), -20.0, 20.0)
+    k3 = np.exp(-log_r) - 1.0 + log_r
+    return k3 if clamp is None else np.clip(k3, -clamp, clamp)
+
+
+def test_k3_clamp_hand_case():
+    # log_r = logp - ref: -20 -> k3 = e^20 - 1 - 20 = 485165195.41 - 21 = 4.8516517e8 unclamped
+    # (the verl case: finite, but it would dominate any mean); -25 is first clamped to -20,
+    # so the same; +20 -> e^-20 - 1 + 20 = 19.0; 0.5 -> e^-0.5 - 0.5 = 0.1065307.
+    # With k3_clamp=10: [10, 10, 10, 0.1065307].
+    lp = jnp.array([-25.0, -30.0, -5.0, -4.5])
+    ref = jnp.array([-5.0, -5.0, -25.0, -5.0])
+    unclamped = losses.kl_estimate(lp, ref, estimator="k3")
+    assert_close(unclamped, [485165174.4, 485165174.4, 19.0, 0.1065307])
+    clamped = losses.kl_estimate(lp, ref, estimator="k3", k3_clamp=10.0)
+    assert_close(clamped, [10.0, 10.0, 10.0, 0.1065307])
+    # Clipped tokens get no gradient; the last keeps d k3 / d logp = 1 - e^-0.5 = 0.3934693.
+    grad = jax.jit(
+        jax.grad(lambda a: losses.kl_loss(a[None], ref[None], jnp.ones((1, 4)), k3_clamp=10.0)[0])
+    )(lp)
+    assert_close(grad, [0.0, 0.0, 0.0, 0.3934693 / 4])
+
+
+@pytest.mark.parametrize("clamp", [None, 10.0, 0.5])
+def test_k3_clamp_matches_reference(clamp):
+    rng = np.random.default_rng(4)
+    lp = rng.normal(-3.0, 1.0, (B, T)).astype(np.float32)
+    ref = (lp + rng.normal(0.0, 4.0, (B, T))).astype(np.float32)  # |log_r| up to ~12
+    mask = make_mask(rng, B, T)
+    expected = np.where(mask, ref_k3_clamped(lp, ref, clamp), 0.0)
+    assert ref_k3_clamped(lp, ref, None)[mask].max() > 100  # so the clamps at 10 and 0.5 bite
+    assert_close(losses.kl_penalty(lp, ref, mask, estimator="k3", k3_clamp=clamp), expected)
+    fn = lambda *a: losses.kl_loss(*a, k3_clamp=clamp, aggregation="seq_mean_token_mean")
+    loss, metrics = jax.jit(fn)(lp, ref, mask)
+    assert_close(loss, ref_aggregate(expected, mask, "seq_mean_token_mean"))
+    assert_close(metrics["kl/max"], expected[mask].max())
+    check_transforms(fn, (lp, ref, mask), _inputs(5))
 
 
 # ----------------------------------------------------------------------------- controllers

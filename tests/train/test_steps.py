@@ -116,12 +116,18 @@ def test_weight_decay_only_on_matrices():
 
 def test_dpo_loss_variants_at_the_reference():
     """At policy == reference: DPO loss log 2, IPO (1 / 2 beta)^2, hinge 1, margins 0; the
-    reference-free SimPO and ORPO need no reference log-probs. One jit for all variants."""
+    reference-free SimPO and ORPO need no reference log-probs. One jit for all variants.
+    TRL's other variants at log-ratios 0 (sigma(0) = 1/2): robust, AOT log 2; BCO, NCA
+    2 log 2; APO 1/2 + 1/2; SPPO-hard 1 + 1; EXO (e = 1e-3)
+    1/2 (log 1/2 - log 0.999) + 1/2 (log 1/2 - log 0.001) = 2.7612307."""
     model_cfg = ModelConfig.tiny()
     params = model_lib.init_params(model_cfg, jax.random.key(1))
     module = model_lib.build(model_cfg)
     batch = jax.tree.map(jnp.asarray, _batch("preference", 4))
-    cfgs = {t: dpo.DPOConfig(loss_type=t, beta=0.5) for t in DPO_LOSS_CHOICES}
+    cfgs = {
+        t: dpo.DPOConfig(loss_type=t, beta=0.5, label_smoothing=1e-3 if t == "exo_pair" else 0.0)
+        for t in DPO_LOSS_CHOICES
+    }
 
     @jax.jit
     def all_losses(params, batch):
@@ -136,7 +142,10 @@ def test_dpo_loss_variants_at_the_reference():
         return out
 
     results = jax.device_get(all_losses(params, batch))
-    expected = {"sigmoid": np.log(2.0), "ipo": 1.0, "hinge": 1.0}
+    log2 = np.log(2.0)
+    expected = {"sigmoid": log2, "ipo": 1.0, "hinge": 1.0, "robust": log2, "aot": log2}
+    expected.update(aot_unpaired=log2, bco_pair=2 * log2, nca_pair=2 * log2, apo_zero=1.0)
+    expected.update(apo_down=1.0, sppo_hard=2.0, exo_pair=2.7612307)
     for name, (loss, aux) in results.items():
         metrics = aux.metrics
         assert np.isfinite(loss) and all(np.isfinite(v) for v in metrics.values()), name
