@@ -158,3 +158,14 @@ def test_explicit_eval_file(tmp_path):
     cfg = DataConfig(train=train_path, eval=eval_path, max_length=16, max_prompt_length=8)
     train, held_out = load_datasets("sft", cfg, load_tokenizer(tok_cfg), tok_cfg)
     assert (len(train), len(held_out)) == (4, 2)
+
+
+def test_hf_chat_template_renders(tmp_path):
+    """The template of a local tokenizer renders through transformers (which needs jinja2)."""
+    tok = load_tokenizer(TokenizerConfig(path=make_chat_tokenizer(str(tmp_path))))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q?"}]
+    # fixtures.CHAT_TEMPLATE: bos, then <|role|>content<|end|> per turn, then <|assistant|>.
+    assert tok.render_chat(messages, True) == (
+        "<s><|system|>be brief<|end|><|user|>q?<|end|><|assistant|>"
+    )
+    assert tok.render_chat(messages, False) == "<s><|system|>be brief<|end|><|user|>q?<|end|>"
