@@ -27,6 +27,24 @@ def test_malformed_jsonl_line(tmp_path):
     )
 
 
+def test_jsonl_line_that_is_not_utf8(tmp_path):
+    path = tmp_path / "d.jsonl"
+    # Line 2 is Latin-1: "café" with é as the single byte 0xe9 (UTF-8 would be 0xc3 0xa9).
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError) as e:
+        read_records(str(path))
+    # Column 16: '{"prompt": "caf' is 15 bytes, so 0xe9 is the 16th.
+    assert str(e.value) == (
+        f"{path}:2: not UTF-8 text (byte 0xe9 at column 16); convert the file to UTF-8"
+    )
+
+
+def test_jsonl_with_byte_order_mark(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert read_records(str(path)) == [{"prompt": "a"}, {"prompt": "b"}]
+
+
 def test_jsonl_line_that_is_not_an_object(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, "[1, 2]"])
     with pytest.raises(DataError, match=r":2: expected a JSON object, got list$"):
