@@ -61,9 +61,20 @@ class DataConfig:
         for templated data, chat messages (``[{"role": ..., "content": ...}]``).
       max_length: tokens per training sequence (prompt + response); batches are padded to it.
       max_prompt_length: tokens per prompt.
-      truncation: ``"drop"`` counts over-long records as bad; ``"truncate"`` keeps the end of
-        the prompt and the start of the response (a record whose response is then empty is
-        still dropped).
+      truncation: what happens to a record longer than ``max_prompt_length`` /
+        ``max_length``. ``"drop"`` (the default) leaves it out, so every trained sequence is
+        the text as written: cutting the start of a prompt can remove its instruction, and
+        cutting two preference responses can leave them equal or without the part that
+        made one better. ``"truncate"`` does what TRL does (``truncation_mode="keep_end"``):
+        the prompt loses tokens from the left (its end, next to the response, is kept), the
+        response from the right (it keeps its start; a cut response has no EOS). A record
+        whose response is then empty, or whose chosen and rejected responses become equal,
+        is still dropped.
+      drop_warn_fraction: warn, naming the reasons, when more than this fraction of a
+        source's records is dropped (too long, missing or empty fields, ...).
+      drop_error_fraction: fail when more than this fraction is dropped: at 50% the run
+        would train on a different, shorter-biased dataset than the one given. Raise it (up
+        to 1.0) to accept that.
       shuffle: reshuffle the training set every epoch.
       seed: shuffling and hold-out seed.
     """
@@ -81,6 +92,8 @@ class DataConfig:
     max_length: int = 512
     max_prompt_length: int = 256
     truncation: str = "drop"
+    drop_warn_fraction: float = 0.05
+    drop_error_fraction: float = 0.5
     shuffle: bool = True
     seed: int = 0
 
@@ -98,4 +111,13 @@ class DataConfig:
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(
                 f"truncation: expected one of {list(TRUNCATION_POLICIES)}, got {self.truncation!r}"
+            )
+        for name in ("drop_warn_fraction", "drop_error_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {value}")
+        if self.drop_warn_fraction > self.drop_error_fraction:
+            raise ValueError(
+                f"drop_warn_fraction: {self.drop_warn_fraction} is above drop_error_fraction "
+                f"{self.drop_error_fraction}"
             )

@@ -13,8 +13,9 @@ starts exactly where the prompt's ids end, as during generation.
   prompt cannot be split this way; such records are counted as bad.
 
 Bad records (a missing field, empty text, a value that is not text or messages, too long
-after the truncation policy) are counted by reason in a :class:`DataReport`; the caller
-fails with a clear error when none remain.
+after the truncation policy, a preference pair whose two responses are the same tokens) are
+counted by reason in a :class:`DataReport`; the caller warns or fails when too many are
+(``DataConfig.drop_warn_fraction`` / ``drop_error_fraction``).
 """
 
 from __future__ import annotations
@@ -111,20 +112,24 @@ class Encoder:
         return self.tok.encode(_plain(response)) + self.eos
 
 
+PROMPT_TOO_LONG = "prompt longer than max_prompt_length"
+SEQUENCE_TOO_LONG = "prompt + response longer than max_length"
+
+
 def _fit_prompt(ids: list[int], cfg: DataConfig) -> list[int]:
     if len(ids) <= cfg.max_prompt_length:
         return ids
     if cfg.truncation == "drop":
-        raise BadRecord("too long")
-    return ids[-cfg.max_prompt_length :]  # keep the end, next to the response
+        raise BadRecord(PROMPT_TOO_LONG)
+    return ids[-cfg.max_prompt_length :]  # from the left: keep the end, next to the response
 
 
 def _fit_response(ids: list[int], room: int, cfg: DataConfig) -> list[int]:
     if len(ids) <= room:
         return ids
     if cfg.truncation == "drop" or room < 1:
-        raise BadRecord("too long")
-    return ids[:room]
+        raise BadRecord(SEQUENCE_TOO_LONG)
+    return ids[:room]  # from the right: keep the start
 
 
 @dataclasses.dataclass
@@ -170,6 +175,8 @@ def encode_records(
             ]
             if any(not r for r in response_ids):
                 raise BadRecord("empty response after tokenization")
+            if kind == "preference" and response_ids[0] == response_ids[1]:
+                raise BadRecord("chosen and rejected are the same tokens")
         except BadRecord as e:
             report.bad[str(e)] += 1
             continue
