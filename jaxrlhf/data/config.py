@@ -57,8 +57,15 @@ class DataConfig:
       builtin_size: how many training records a ``builtin:`` source generates.
       split: split of a saved ``DatasetDict`` to read (``eval_split`` for ``eval``).
       eval_split: see ``split``.
-      prompt_key, response_key, chosen_key, rejected_key: record fields. Each holds text or,
-        for templated data, chat messages (``[{"role": ..., "content": ...}]``).
+      prompt_key, response_key, chosen_key, rejected_key: record fields. Each holds text or
+        chat messages (``[{"role": ..., "content": ...}]``, rendered by the tokenizer's chat
+        template). Without ``prompt_key``, ``chosen`` / ``rejected`` may be whole
+        conversations differing only in their last, assistant, turn (TRL's conversational
+        preference format).
+      messages_key: the field of a record without ``prompt_key`` that holds a whole
+        conversation (TRL's ``messages`` format): for sft its last turn, an assistant's, is
+        the response and the turns before it the prompt; for prompt data a final assistant
+        turn is left out.
       max_length: tokens per training sequence (prompt + response); batches are padded to it.
       max_prompt_length: tokens per prompt.
       truncation: what happens to a record longer than ``max_prompt_length`` /
@@ -89,6 +96,7 @@ class DataConfig:
     response_key: str = "response"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    messages_key: str = "messages"
     max_length: int = 512
     max_prompt_length: int = 256
     truncation: str = "drop"
