@@ -10,8 +10,10 @@ changes what happens to it:
 * ``<!-- file: NAME -->``: the block is written to ``NAME`` in the scratch directory (and
   compiled, for Python) so that later blocks can run it.
 
-Each page runs in a fresh interpreter (``JAX_PLATFORMS=cpu``, the repo on ``PYTHONPATH``)
-whose working directory is a scratch directory holding a link to ``configs/``, so snippets
+Each page runs in a fresh interpreter (``JAX_PLATFORMS=cpu``, the repo on ``PYTHONPATH``),
+the one running the tests; so does ``python`` in its bash blocks, whatever is first on the
+caller's ``PATH`` (``venv/bin/python -m pytest`` works without activating the venv). Its
+working directory is a scratch directory holding a link to ``configs/``, so snippets
 use the same relative paths as a reader in a checkout, and nothing is written into the
 repo. Python blocks of one page share a namespace and run in order, interleaved with its
 bash blocks; the two set-up commands (``pip install ...``) are run by ``.ci/run`` instead
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -139,15 +142,23 @@ def _pages_with_code() -> list[Path]:
     return [p for p in PAGES if _runnable(_page_blocks(p))]
 
 
-@pytest.mark.parametrize("page", _pages_with_code(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
-    blocks = _runnable(_page_blocks(page))
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    spec = tmp_path / "blocks.json"
-    spec.write_text(json.dumps([dict(dataclasses.asdict(b), where=b.where) for b in blocks]))
+def _page_env(scratch: Path) -> dict[str, str]:
+    """The environment of a page's interpreter and of its bash blocks.
+
+    ``python`` and ``python3`` on its ``PATH`` are scripts in ``scratch/bin`` that exec this
+    interpreter. Scripts rather than symlinks: a venv's interpreter finds its
+    ``pyvenv.cfg`` (and so its site-packages) beside the path it was started from.
+    """
+    bin_dir = scratch / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python", "python3"):
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        shim.chmod(0o755)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env.update(
+        PATH=os.pathsep.join(filter(None, [str(bin_dir), env.get("PATH")])),
         JAX_PLATFORMS="cpu",
         # As tests/train's fast_compile fixture: snippets run few steps, so XLA's compile
         # time dominates; with most optimisations off the pages run in about 2/3 the time.
@@ -155,6 +166,33 @@ def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         MPLBACKEND="Agg",
     )
+    return env
+
+
+def test_bash_blocks_run_this_interpreter(tmp_path: Path, monkeypatch) -> None:
+    """A ``python`` first on the caller's PATH (here one that fails) is not the one used."""
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "python").write_text("#!/bin/sh\nexit 3\n")
+    (decoy / "python").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(decoy), os.environ.get("PATH", "")]))
+    done = subprocess.run(
+        ["bash", "-c", "python -c 'import sys, jax; print(sys.executable)'"],
+        env=_page_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == sys.executable
+
+
+@pytest.mark.parametrize("page", _pages_with_code(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
+    blocks = _runnable(_page_blocks(page))
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    spec = tmp_path / "blocks.json"
+    spec.write_text(json.dumps([dict(dataclasses.asdict(b), where=b.where) for b in blocks]))
+    env = _page_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(spec)],
         cwd=tmp_path,

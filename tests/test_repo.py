@@ -1,6 +1,9 @@
 """Promises about the repository itself."""
 
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,3 +20,12 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = next(c for c in setup if "pytest" in c)
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines
+
+
+def test_chat_template_renderer_is_a_dependency():
+    """transformers renders chat templates with jinja2 without depending on it: a fresh
+    install must get it from us, or ``chat_template: auto`` fails on any instruct model."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert "jinja2" in names

@@ -57,13 +57,31 @@ class DataConfig:
       builtin_size: how many training records a ``builtin:`` source generates.
       split: split of a saved ``DatasetDict`` to read (``eval_split`` for ``eval``).
       eval_split: see ``split``.
-      prompt_key, response_key, chosen_key, rejected_key: record fields. Each holds text or,
-        for templated data, chat messages (``[{"role": ..., "content": ...}]``).
+      prompt_key, response_key, chosen_key, rejected_key: record fields. Each holds text or
+        chat messages (``[{"role": ..., "content": ...}]``, rendered by the tokenizer's chat
+        template). Without ``prompt_key``, ``chosen`` / ``rejected`` may be whole
+        conversations differing only in their last, assistant, turn (TRL's conversational
+        preference format).
+      messages_key: the field of a record without ``prompt_key`` that holds a whole
+        conversation (TRL's ``messages`` format): for sft its last turn, an assistant's, is
+        the response and the turns before it the prompt; for prompt data a final assistant
+        turn is left out.
       max_length: tokens per training sequence (prompt + response); batches are padded to it.
       max_prompt_length: tokens per prompt.
-      truncation: ``"drop"`` counts over-long records as bad; ``"truncate"`` keeps the end of
-        the prompt and the start of the response (a record whose response is then empty is
-        still dropped).
+      truncation: what happens to a record longer than ``max_prompt_length`` /
+        ``max_length``. ``"drop"`` (the default) leaves it out, so every trained sequence is
+        the text as written: cutting the start of a prompt can remove its instruction, and
+        cutting two preference responses can leave them equal or without the part that
+        made one better. ``"truncate"`` does what TRL does (``truncation_mode="keep_end"``):
+        the prompt loses tokens from the left (its end, next to the response, is kept), the
+        response from the right (it keeps its start; a cut response has no EOS). A record
+        whose response is then empty, or whose chosen and rejected responses become equal,
+        is still dropped.
+      drop_warn_fraction: warn, naming the reasons, when more than this fraction of a
+        source's records is dropped (too long, missing or empty fields, ...).
+      drop_error_fraction: fail when more than this fraction is dropped: at 50% the run
+        would train on a different, shorter-biased dataset than the one given. Raise it (up
+        to 1.0) to accept that.
       shuffle: reshuffle the training set every epoch.
       seed: shuffling and hold-out seed.
     """
@@ -78,9 +96,12 @@ class DataConfig:
     response_key: str = "response"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    messages_key: str = "messages"
     max_length: int = 512
     max_prompt_length: int = 256
     truncation: str = "drop"
+    drop_warn_fraction: float = 0.05
+    drop_error_fraction: float = 0.5
     shuffle: bool = True
     seed: int = 0
 
@@ -98,4 +119,13 @@ class DataConfig:
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(
                 f"truncation: expected one of {list(TRUNCATION_POLICIES)}, got {self.truncation!r}"
+            )
+        for name in ("drop_warn_fraction", "drop_error_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {value}")
+        if self.drop_warn_fraction > self.drop_error_fraction:
+            raise ValueError(
+                f"drop_warn_fraction: {self.drop_warn_fraction} is above drop_error_fraction "
+                f"{self.drop_error_fraction}"
             )

@@ -212,11 +212,39 @@ def _tokenize(
     records: list[dict[str, Any]], kind: str, encoder: Encoder, cfg: DataConfig, source: str
 ) -> TokenizedDataset:
     encoded = encode_records(records, kind, encoder, cfg, source)
-    report = encoded.report
+    check_dropped(encoded.report, cfg)
+    return TokenizedDataset.from_encoded(encoded, encoder.tok.pad_id)
+
+
+def check_dropped(report: DataReport, cfg: DataConfig) -> None:
+    """Logs how many records were kept; warns or fails when too many were dropped.
+
+    Raises:
+      DataError: no record kept, or a dropped fraction above ``cfg.drop_error_fraction``.
+    """
     if report.kept == 0:
         raise DataError(f"no usable records: {report.summary()}")
-    (logger.warning if report.bad else logger.info)("data: %s", report.summary())
-    return TokenizedDataset.from_encoded(encoded, encoder.tok.pad_id)
+    dropped = report.total - report.kept
+    fraction = dropped / report.total
+    hint = ""
+    if any("longer than" in reason for reason in report.bad):
+        hint = "; raise data.max_length / data.max_prompt_length or set data.truncation: truncate"
+    if fraction > cfg.drop_error_fraction:
+        raise DataError(
+            f"{report.summary()}: {fraction:.0%} dropped, above "
+            f"data.drop_error_fraction={cfg.drop_error_fraction:g}{hint} (or raise "
+            "data.drop_error_fraction to train on what is left)"
+        )
+    if fraction > cfg.drop_warn_fraction:
+        logger.warning(
+            "WARNING data: %s: %.0f%% of the records dropped, above data.drop_warn_fraction=%g%s",
+            report.summary(),
+            100 * fraction,
+            cfg.drop_warn_fraction,
+            hint,
+        )
+    else:
+        (logger.warning if dropped else logger.info)("data: %s", report.summary())
 
 
 def load_datasets(

@@ -19,19 +19,27 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file; blank lines are skipped.
+    """Records of a UTF-8 JSON-lines file (a leading byte-order mark is allowed); blank lines
+    are skipped.
 
     Raises:
-      DataError: missing or empty file, a line that is not valid JSON, or one that is not a
-        JSON object (the message gives ``path:line``).
+      DataError: missing or empty file, a line that is not UTF-8 or not valid JSON, or one
+        that is not a JSON object (the message gives ``path:line``).
     """
     records = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # decoded per line, so a bad byte is reported with its line
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     with f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}); convert the file to UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -16,6 +16,11 @@ from jaxrlhf.data.errors import DataError
 
 Messages = list[dict[str, str]]
 
+# Files from which transformers can build a tokenizer (fast, SentencePiece, BPE, WordPiece,
+# tiktoken); a directory with none of them cannot hold one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
+TOKENIZER_SUFFIXES = (".model", ".tiktoken")  # SentencePiece and tiktoken names vary
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -117,33 +122,41 @@ def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """The tokenizer of ``cfg``: built-in, or ``AutoTokenizer`` from a local directory.
 
     Raises:
-      DataError: the path is not a directory, transformers cannot load it, or
-        ``chat_template="always"`` and it has no template.
+      DataError: the path is not a directory, holds no tokenizer files, transformers cannot
+        load it, or ``chat_template="always"`` and it has no template.
     """
     if cfg.path == "builtin":
         tok: Tokenizer = CharTokenizer()
     else:
-        if not os.path.isdir(cfg.path):
-            raise DataError(
-                f"tokenizer.path: {cfg.path} is not a directory (tokenizers load from local "
-                "files only)"
-            )
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
-        except Exception as e:  # transformers raises many types; report one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DataError(
-                f"tokenizer.path: cannot load a tokenizer from {cfg.path}: {first}"
-            ) from None
-        tok = HFTokenizer(hf)
+        tok = HFTokenizer(_load_hf_tokenizer(cfg.path))
     if cfg.chat_template == "always" and not tok.has_chat_template:
         raise DataError(
             f"tokenizer.chat_template: 'always' but the tokenizer at {cfg.path} has no "
             "chat template"
         )
     return tok
+
+
+def _load_hf_tokenizer(path: str) -> Any:
+    if not os.path.isdir(path):
+        raise DataError(
+            f"tokenizer.path: {path} is not a directory (tokenizers load from local files only)"
+        )
+    found = sorted(os.listdir(path))
+    if not any(name in TOKENIZER_FILES or name.endswith(TOKENIZER_SUFFIXES) for name in found):
+        shown = found[:8] + (["..."] if len(found) > 8 else [])
+        raise DataError(
+            f"tokenizer.path: {path} holds no tokenizer files (expected "
+            f"{', '.join(TOKENIZER_FILES)}, *.model or *.tiktoken; found {shown or 'nothing'}); "
+            "save one there with AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types, often multi-line: report one line
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(f"tokenizer.path: cannot load a tokenizer from {path}: {reason}") from None
 
 
 def uses_chat_template(cfg: TokenizerConfig, tok: Tokenizer) -> bool:

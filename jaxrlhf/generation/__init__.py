@@ -8,7 +8,10 @@
                            SamplingParams(temperature=1.0, max_new_tokens=128, n=4))
 
 See ``sampler.py`` for the loop (scan vs while_loop), ``cache.py`` for the cache layout and
-``sampling.py`` for the sampling rules and what each log-prob means.
+``sampling.py`` for the sampling rules and what each log-prob means. For text in and text
+out from an exported checkpoint and its tokenizer, see
+``jaxrlhf.generation.text.TextGenerator`` (not imported here: it needs the data and
+checkpoint modules).
 """
 
 from jaxrlhf.generation.cache import DecodeCache, abstract_cache

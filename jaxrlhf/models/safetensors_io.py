@@ -13,6 +13,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -47,26 +48,69 @@ class TensorInfo:
     offset: int  # absolute byte offset of the data in the file
 
 
+# The safetensors library's own bound; a damaged length field is usually far above it.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def _read_header(path: str) -> dict[str, TensorInfo]:
+    """The tensors of one file, after checking that the header fits the file and that each
+    tensor's bytes lie inside it (so a damaged file fails here, not when a tensor is read).
+    """
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise CheckpointError(
+                    f"{path} is not a valid safetensors file ({size} bytes, shorter than the "
+                    "8-byte header length)"
+                )
             (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"{path} is not a valid safetensors file or is truncated (its header length "
+                    f"field says {header_len} bytes; the file has {size})"
+                )
             header = json.loads(f.read(header_len))
     except FileNotFoundError:
         raise CheckpointError(f"safetensors file not found: {path}") from None
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not a valid safetensors file ({e})") from None
-    infos = {}
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        if meta["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {meta['dtype']}")
-        start, _ = meta["data_offsets"]
-        infos[key] = TensorInfo(
-            path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + header_len + start
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is not a valid safetensors file (its header is not JSON: {e})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a valid safetensors file (header is not an object)")
+    data_start = 8 + header_len
+    return {
+        key: _tensor_info(path, key, meta, data_start, size)
+        for key, meta in header.items()
+        if key != "__metadata__"
+    }
+
+
+def _tensor_info(path: str, key: str, meta: Any, data_start: int, size: int) -> TensorInfo:
+    """One header entry, checked: known dtype, offsets that match the shape and the file."""
+    try:
+        dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+        shape = tuple(int(d) for d in shape)
+        start, end = int(start), int(end)
+    except (TypeError, KeyError, ValueError):
+        raise CheckpointError(
+            f"{path} is not a valid safetensors file (malformed header entry for tensor {key})"
+        ) from None
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {dtype}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+    if min(shape, default=0) < 0 or start < 0 or end - start != nbytes:
+        raise CheckpointError(
+            f"{path} is damaged: tensor {key} of shape {list(shape)} ({dtype}) has data "
+            f"offsets [{start}, {end}], which do not span its {nbytes} bytes"
         )
-    return infos
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{path} is truncated: tensor {key} ends at byte {data_start + end} but the file "
+            f"has {size} bytes (copy or export it again)"
+        )
+    return TensorInfo(path, _DTYPES[dtype], shape, data_start + start)
 
 
 class SafetensorsReader:

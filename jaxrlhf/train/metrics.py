@@ -215,22 +215,50 @@ class Progress:
 
 
 def plot_history(
-    history: Sequence[Mapping[str, Any]], keys: Sequence[str], path: str
+    history: Sequence[Mapping[str, Any]],
+    keys: Sequence[str],
+    path: str,
+    *,
+    title: str | None = None,
 ) -> str | None:
     """Writes a PNG with one panel per key (train and ``eval/`` curves). Returns the path,
-    or None when matplotlib is not installed (logged) or there is nothing to plot."""
-    try:  # a Figure on its own Agg canvas: pyplot's global backend (a notebook's) is untouched
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
+    or None when matplotlib is not installed (logged) or there is nothing to plot.
+
+    Args:
+      history: logged rows, each with a ``step``.
+      keys: metric names, one panel each; a key with no value in any row is left out.
+      path: where to write the PNG.
+      title: shown above the panels, e.g. the run's name; None for none.
+    """
+    try:
+        fig = history_figure(history, keys, title=title)
+    except ImportError:  # matplotlib is the only import there
         logger.info("plot skipped: matplotlib is not installed (metrics are in %s)", METRICS_FILE)
         return None
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def history_figure(
+    history: Sequence[Mapping[str, Any]], keys: Sequence[str], *, title: str | None = None
+) -> Any:
+    """The matplotlib Figure that :func:`plot_history` saves, or None with nothing to plot.
+
+    Each panel is titled and y-labelled with its key, x-labelled ``step``, and holds a
+    ``train`` line and, when logged, an ``eval`` line with markers. Needs matplotlib.
+    """
+    # A Figure on its own Agg canvas: pyplot's global backend (a notebook's) is untouched.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     panels = [k for k in keys if any(k in row or f"eval/{k}" in row for row in history)]
     if not panels:
         return None
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(4.5 * cols, 3.2 * rows))
+    fig = Figure(figsize=(4.5 * cols, 3.2 * rows + (0.4 if title else 0.0)))
     FigureCanvasAgg(fig)
     axs = fig.subplots(rows, cols, squeeze=False)
     for ax, key in zip(axs.flat, panels, strict=False):
@@ -241,9 +269,11 @@ def plot_history(
                 ax.plot(xs, ys, marker="o" if label == "eval" else None, label=label)
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.set_ylabel(key)
         ax.legend()
     for ax in list(axs.flat)[len(panels) :]:
         ax.axis("off")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
+    return fig

@@ -3,6 +3,8 @@ text, padding is right for training and left for generation, bad records are cou
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -116,8 +118,9 @@ def test_bad_records_are_counted_by_reason():
     ds, _ = _dataset(records, "sft")
     assert len(ds) == 1
     assert ds.report.summary() == (
-        "test: 1 of 6 records kept; 5 bad (2 too long, 1 missing field 'response', "
-        "1 empty text in 'prompt', 1 field 'response' is neither text nor chat messages)"
+        "test: 1 of 6 records kept; 5 bad (1 missing field 'response', 1 empty text in "
+        "'prompt', 1 field 'response' is neither text nor chat messages, 1 prompt longer than "
+        "max_prompt_length, 1 prompt + response longer than max_length)"
     )
 
 
@@ -128,6 +131,79 @@ def test_truncate_policy_keeps_prompt_end_and_response_start():
     assert tok.decode(batch["tokens"][0][batch["prompt_mask"][0]]) == "efghij"
     assert tok.decode(batch["tokens"][0][batch["response_mask"][0]]) == "012345"  # EOS cut off
     assert batch["mask"][0].all()
+
+
+def test_truncate_policy_drops_pairs_made_equal():
+    """Cut to their first 2 tokens, "12345" and "12399" are the same: no preference left."""
+    cfg = DataConfig(max_length=8, max_prompt_length=6, truncation="truncate", eval_size=0)
+    records = [
+        {"prompt": "sort 1:", "chosen": "12345", "rejected": "12399"},  # BOS + 7 > 6: cut
+        {"prompt": "p:", "chosen": "12345", "rejected": "12399"},  # BOS + 2 = 3, room 5
+    ]
+    ds, tok = _dataset(records, "preference", cfg=cfg)
+    assert ds.report.summary() == (
+        "test: 1 of 2 records kept; 1 bad (1 chosen and rejected are the same tokens)"
+    )
+    batch = ds.batch(np.array([0]), 8)
+    chosen, rejected = (batch["tokens"][0, j][batch["response_mask"][0, j]] for j in (0, 1))
+    assert (tok.decode(chosen), tok.decode(rejected)) == ("12345", "12399")
+
+
+def _mostly_too_long(tmp_path, n_long: int, n: int = 1000) -> str:
+    records = [{"prompt": "p", "response": "x" * (30 if i < n_long else 3)} for i in range(n)]
+    return write_jsonl(tmp_path / "d.jsonl", records)
+
+
+def test_mostly_dropped_data_fails(tmp_path):
+    path = _mostly_too_long(tmp_path, 990)
+    tok_cfg = TokenizerConfig()
+    cfg = DataConfig(train=path, eval_size=0, max_length=16, max_prompt_length=8)
+    with pytest.raises(DataError) as e:
+        load_datasets("sft", cfg, load_tokenizer(tok_cfg), tok_cfg)
+    assert str(e.value) == (
+        f"{path}: 10 of 1000 records kept; 990 bad (990 prompt + response longer than "
+        "max_length): 99% dropped, above data.drop_error_fraction=0.5; raise data.max_length / "
+        "data.max_prompt_length or set data.truncation: truncate (or raise "
+        "data.drop_error_fraction to train on what is left)"
+    )
+    accepted = dataclasses.replace(cfg, drop_error_fraction=1.0)
+    train, _ = load_datasets("sft", accepted, load_tokenizer(tok_cfg), tok_cfg)
+    assert len(train) == 10
+
+
+@pytest.mark.parametrize("n_long, level", [(100, "WARNING"), (50, "WARNING"), (0, "INFO")])
+def test_dropped_fraction_sets_the_log_level(tmp_path, caplog, n_long, level):
+    """10% dropped is above the 5% warning threshold; 5% is not (the bound is strict)."""
+    path = _mostly_too_long(tmp_path, n_long)
+    tok_cfg = TokenizerConfig()
+    cfg = DataConfig(train=path, eval_size=0, max_length=16, max_prompt_length=8)
+    with caplog.at_level("INFO", logger="jaxrlhf.data"):
+        load_datasets("sft", cfg, load_tokenizer(tok_cfg), tok_cfg)
+    (record,) = [r for r in caplog.records if r.name == "jaxrlhf.data.dataset"]
+    loud = record.getMessage().startswith("WARNING data: ")
+    assert loud == (n_long == 100)
+    assert record.levelname == level
+    if loud:
+        assert "10% of the records dropped, above data.drop_warn_fraction=0.05" in (
+            record.getMessage()
+        )
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"drop_warn_fraction": -0.1}, "drop_warn_fraction: must be in [0, 1], got -0.1"),
+        ({"drop_error_fraction": 1.5}, "drop_error_fraction: must be in [0, 1], got 1.5"),
+        (
+            {"drop_warn_fraction": 0.6},
+            "drop_warn_fraction: 0.6 is above drop_error_fraction 0.5",
+        ),
+    ],
+)
+def test_drop_thresholds_are_validated(fields, message):
+    with pytest.raises(ValueError) as e:
+        DataConfig(**fields)
+    assert str(e.value) == message
 
 
 def test_load_datasets_holds_out_a_seeded_split(tmp_path):
@@ -158,3 +234,14 @@ def test_explicit_eval_file(tmp_path):
     cfg = DataConfig(train=train_path, eval=eval_path, max_length=16, max_prompt_length=8)
     train, held_out = load_datasets("sft", cfg, load_tokenizer(tok_cfg), tok_cfg)
     assert (len(train), len(held_out)) == (4, 2)
+
+
+def test_hf_chat_template_renders(tmp_path):
+    """The template of a local tokenizer renders through transformers (which needs jinja2)."""
+    tok = load_tokenizer(TokenizerConfig(path=make_chat_tokenizer(str(tmp_path))))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q?"}]
+    # fixtures.CHAT_TEMPLATE: bos, then <|role|>content<|end|> per turn, then <|assistant|>.
+    assert tok.render_chat(messages, True) == (
+        "<s><|system|>be brief<|end|><|user|>q?<|end|><|assistant|>"
+    )
+    assert tok.render_chat(messages, False) == "<s><|system|>be brief<|end|><|user|>q?<|end|>"

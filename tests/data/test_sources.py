@@ -27,6 +27,24 @@ def test_malformed_jsonl_line(tmp_path):
     )
 
 
+def test_jsonl_line_that_is_not_utf8(tmp_path):
+    path = tmp_path / "d.jsonl"
+    # Line 2 is Latin-1: "café" with é as the single byte 0xe9 (UTF-8 would be 0xc3 0xa9).
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError) as e:
+        read_records(str(path))
+    # Column 16: '{"prompt": "caf' is 15 bytes, so 0xe9 is the 16th.
+    assert str(e.value) == (
+        f"{path}:2: not UTF-8 text (byte 0xe9 at column 16); convert the file to UTF-8"
+    )
+
+
+def test_jsonl_with_byte_order_mark(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert read_records(str(path)) == [{"prompt": "a"}, {"prompt": "b"}]
+
+
 def test_jsonl_line_that_is_not_an_object(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, "[1, 2]"])
     with pytest.raises(DataError, match=r":2: expected a JSON object, got list$"):
@@ -118,3 +136,29 @@ def test_eval_split_must_leave_training_records(tmp_path):
 def test_tokenizer_dir_must_exist(tmp_path):
     with pytest.raises(DataError, match=r"tokenizer.path: .* is not a directory"):
         load_tokenizer(TokenizerConfig(path=os.path.join(tmp_path, "none")))
+
+
+def test_tokenizer_dir_without_tokenizer_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # e.g. a model export without its tokenizer
+    with pytest.raises(DataError) as e:
+        load_tokenizer(TokenizerConfig(path=str(tmp_path)))
+    assert str(e.value) == (
+        f"tokenizer.path: {tmp_path} holds no tokenizer files (expected tokenizer.json, "
+        "tokenizer_config.json, vocab.json, vocab.txt, *.model or *.tiktoken; found "
+        "['config.json']); save one there with "
+        "AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR)"
+    )
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(DataError, match=r"holds no tokenizer files .*; found nothing\)"):
+        load_tokenizer(TokenizerConfig(path=str(tmp_path)))
+
+
+def test_tokenizer_load_error_is_one_whole_line(tmp_path):
+    # A config but no vocabulary: transformers' message spans five lines ("... from one
+    # of:\n(1) ...\n(2) ..."); all of it is kept, on one line.
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(DataError) as e:
+        load_tokenizer(TokenizerConfig(path=str(tmp_path)))
+    message = str(e.value)
+    assert message.startswith(f"tokenizer.path: cannot load a tokenizer from {tmp_path}: ")
+    assert "\n" not in message and "from one of: (1) " in message and "(3) " in message

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.models.hf_checkpoint import load_hf
-from jaxrlhf.models.safetensors_io import CheckpointError
+from jaxrlhf.models.safetensors_io import CheckpointError, SafetensorsReader
 from tests.models.hf_fixtures import make_hf_model
 
 pytest.importorskip("torch")
@@ -116,3 +116,48 @@ def test_unsupported_config_fields_are_named(llama_dir, change, expected):
     with pytest.raises(CheckpointError) as e:
         load_hf(str(llama_dir))
     assert expected in _one_line(e)
+
+
+def test_truncated_safetensors_file(llama_dir):
+    path = llama_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a copy cut off half way
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    msg = _one_line(e)
+    assert msg.startswith(f"{path} is truncated: tensor ")
+    assert f"but the file has {len(data) // 2} bytes" in msg
+
+
+def test_safetensors_file_of_random_bytes(llama_dir):
+    path = llama_dir / "model.safetensors"
+    size = path.stat().st_size
+    path.write_bytes(np.random.default_rng(0).bytes(size))
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(llama_dir))
+    msg = _one_line(e)
+    assert msg.startswith(f"{path} is not a valid safetensors file or is truncated")
+    assert f"the file has {size})" in msg
+
+
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        (b"[1, 2]", "header is not an object"),
+        (b'{"w": {"dtype": "F32", "shape": [2]}}', "malformed header entry for tensor w"),
+        (
+            b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}',
+            "tensor w of shape [2] (F32) has data offsets [0, 4], which do not span its 8 bytes",
+        ),
+        (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8', "header is not JSON"),
+    ],
+)
+def test_damaged_safetensors_header(tmp_path, header, expected):
+    import struct
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError) as e:
+        SafetensorsReader(str(tmp_path))
+    msg = _one_line(e)
+    assert msg.startswith(str(path)) and expected in msg

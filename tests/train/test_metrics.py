@@ -74,3 +74,20 @@ def test_plot(tmp_path, caplog):
     else:
         assert plot_history(HISTORY, ("loss/sft", "lr"), path) == path
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_panels_labels_and_title():
+    pytest.importorskip("matplotlib")
+    from jaxrlhf.train.metrics import history_figure
+
+    fig = history_figure(HISTORY, ("loss/sft", "lr", "absent"), title="runs/quickstart/sft")
+    assert fig._suptitle.get_text() == "runs/quickstart/sft"
+    loss, lr = fig.axes  # "absent" is never logged: no panel
+    assert [(ax.get_title(), ax.get_ylabel(), ax.get_xlabel()) for ax in (loss, lr)] == [
+        ("loss/sft", "loss/sft", "step"),
+        ("lr", "lr", "step"),
+    ]
+    # The curves are the logged values: train from "loss/sft", eval from "eval/loss/sft".
+    lines = {line.get_label(): line.get_xydata().tolist() for line in loss.get_lines()}
+    assert lines == {"train": [[10, 3.0], [20, 2.0]], "eval": [[0, 4.0], [20, 2.5]]}
+    assert history_figure(HISTORY, ("lr",))._suptitle is None
