@@ -241,6 +241,23 @@ def load_hf_config(directory: str, **overrides: Any) -> ModelConfig:
     return from_hf_config(hf, source=path, **overrides)
 
 
+def checkpoint_head(directory: str) -> str | None:
+    """``"lm"`` for a ``*ForCausalLM`` (or GPT-2's ``LMHeadModel``) checkpoint, ``"scalar"``
+    for a ``*ForSequenceClassification`` one, from ``config.json``'s ``architectures``; None
+    when it names neither (or there is no readable config.json)."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    for arch in architectures:
+        if arch.endswith(("ForCausalLM", "LMHeadModel")):
+            return "lm"
+        if arch.endswith("ForSequenceClassification"):
+            return "scalar"
+    return None
+
+
 _ARCH = {
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),

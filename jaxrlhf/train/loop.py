@@ -10,6 +10,7 @@ steps only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -24,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrlhf.config import RL_ALGORITHMS, RunConfig, RunLayout, dump_config, to_dict, validate
+from jaxrlhf.rewards import RewardError
 from jaxrlhf.train.checkpointing import RunCheckpointer, open_checkpointer
 from jaxrlhf.train.metrics import (
     PLOT_FILE,
@@ -33,8 +35,9 @@ from jaxrlhf.train.metrics import (
     plot_history,
     read_history,
 )
-from jaxrlhf.train.preemption import StopSignals, check_skips
+from jaxrlhf.train.preemption import StopSignals, TrainingDiverged, check_skips
 from jaxrlhf.train.rl_trainer import RLTrainer, build_rl_trainer
+from jaxrlhf.train.run_dir import RunLock, check_output_dir
 from jaxrlhf.train.supervised import OBJECTIVES, SupervisedTrainer, build_supervised_trainer
 from jaxrlhf.train.trainable import Trainable, add_metrics
 
@@ -134,9 +137,30 @@ def _finish(trainer: Trainable, run_dir: str, history: list[dict[str, Any]], mai
         if main:
             logger.info("exported the trained model in Hugging Face format to %s", hf_dir)
     if main and cfg.logging.plot:
-        path = plot_history(history, trainer.plot_keys, os.path.join(run_dir, PLOT_FILE))
+        title = f"{cfg.algorithm}: {os.path.basename(os.path.normpath(run_dir))}"
+        path = plot_history(
+            history, trainer.plot_keys, os.path.join(run_dir, PLOT_FILE), title=title
+        )
         if path:
             logger.info("wrote %s", path)
+
+
+@contextlib.contextmanager
+def _saved_on_stop(trainer: Trainable, ckpt: RunCheckpointer, window: _Window):
+    """Saves the last good state when a run stops on bad input (a reward function that
+    fails or returns non-finite scores) or diverges (too many skipped updates), then lets the
+    error go on. Both leave the state as it was before the failing step: the reward fails
+    before the update, and a skipped update changes nothing."""
+    try:
+        yield
+    except (RewardError, TrainingDiverged) as e:
+        step = trainer.steps_done
+        if step > 0 and step not in ckpt.steps():
+            ckpt.save(step, *_snapshot(trainer, window), wait=True)
+        where = f"checkpoint {ckpt.last_saved} in {ckpt.directory}"
+        if ckpt.last_saved is None:
+            where = "nothing to save (no step had finished)"
+        raise type(e)(f"{e} The last good state: {where}.") from e
 
 
 def _train(
@@ -158,7 +182,7 @@ def _train(
             row = log.log(step, metrics)
             progress.write(f"eval step {step} | {format_metrics(row, eval_keys)}")
 
-    with StopSignals() as signals:
+    with StopSignals() as signals, _saved_on_stop(trainer, ckpt, window):
         if first == 0:
             evaluate(0)
         # Counts of consecutive steps with skipped updates (the longest run since the last
@@ -176,13 +200,13 @@ def _train(
                 host = jax.device_get(window.running)
                 row = {k: float(v) / window.count for k, v in host.items()}
                 row["time/step_s"] = (time.perf_counter() - window.start) / window.count
-                row.update(trainer.position())
+                row.update(trainer.status())
                 progress.update(done, log.log(done, row), trainer.summary_keys)
                 window.running, window.count, window.start = None, 0, time.perf_counter()
             else:
                 progress.update(done)
             if done % every == 0 or ckpt.due(done) or done == t.steps:
-                check_skips(int(worst), done, t.max_consecutive_skips, ckpt)
+                check_skips(int(worst), done, t.max_consecutive_skips)
                 window.skip_run = int(skips)
                 worst = skips
             if t.eval_every and done % t.eval_every == 0 and done != t.steps:
@@ -221,8 +245,17 @@ def run(
         source=source,
         override_paths=override_paths,
     )
-    main = jax.process_index() == 0
     run_dir = run_directory(cfg)
+    check_output_dir(run_dir)
+    with RunLock(run_dir):
+        return _run(cfg, layout, run_dir, mesh=mesh, source=source)
+
+
+def _run(
+    cfg: RunConfig, layout: RunLayout, run_dir: str, *, mesh: Mesh | None, source: str
+) -> RunResult:
+    """:func:`run` once the run directory is held."""
+    main = jax.process_index() == 0
     ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
     trainer = build_trainer(cfg, mesh=mesh, source=source, layout=layout)
     history: list[dict[str, Any]] = []

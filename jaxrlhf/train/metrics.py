@@ -90,22 +90,48 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+CORRUPT_SUFFIX = ".corrupt"
+
+
 def read_history(run_dir: str, last_step: int) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl`` up to ``last_step`` (a resumed run's past:
-    rows an interrupted run logged after its last checkpoint are dropped). A missing file or
-    a torn last line (a kill mid-write) gives the rows that could be read."""
+    """The rows of ``run_dir/metrics.jsonl`` up to ``last_step``: a resumed run's past (rows
+    an interrupted run logged after its last checkpoint belong to steps it will log again).
+
+    Every intact row is kept, wherever a damaged one sits. Lines that are not a JSON object
+    with an integer ``step`` (a torn last line after a kill mid-write, a damaged disk, a
+    hand edit) are set aside, appended to ``metrics.jsonl.corrupt`` with their line numbers,
+    and a warning says how many; the caller rewrites ``metrics.jsonl`` from the rows kept.
+    """
     path = os.path.join(run_dir, METRICS_FILE)
     rows: list[dict[str, Any]] = []
+    damaged: list[str] = []
     if not os.path.exists(path):
         return rows
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                break
-            if row.get("step", 0) <= last_step:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                damaged.append(f"{number}\t{line.rstrip()}\n")
+            elif row["step"] <= last_step:
                 rows.append(row)
+    if damaged:
+        aside = path + CORRUPT_SUFFIX
+        with open(aside, "a", encoding="utf-8") as f:
+            f.writelines(damaged)
+        logger.warning(
+            "%s: %d damaged line(s) set aside in %s (line number, then the line); the %d "
+            "intact row(s) up to step %d are kept",
+            path,
+            len(damaged),
+            aside,
+            len(rows),
+            last_step,
+        )
     return rows
 
 

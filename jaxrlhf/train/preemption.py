@@ -51,21 +51,19 @@ class TrainingDiverged(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-def check_skips(run: int, step: int, limit: int, checkpointer: Any) -> None:
+def check_skips(run: int, step: int, limit: int) -> None:
     """Raises :class:`TrainingDiverged` when ``run`` consecutive updates were skipped.
 
     Args:
       run: the longest run of consecutive skipped updates seen (RL: iterations with one).
       step: the current step, for the message.
       limit: ``train.max_consecutive_skips``.
-      checkpointer: the run's :class:`~jaxrlhf.train.checkpointing.RunCheckpointer`.
     """
     if run >= limit:
         raise TrainingDiverged(
             f"step {step}: {run} consecutive updates had a non-finite loss or gradient "
-            f"(train.max_consecutive_skips={limit}); stopped without saving. The newest "
-            f"checkpoint is step {checkpointer.last_saved} in {checkpointer.directory}. "
-            "Lower optimizer.lr, set optimizer.max_grad_norm or check the data."
+            f"(train.max_consecutive_skips={limit}); lower optimizer.lr, set "
+            "optimizer.max_grad_norm or check the data."
         )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrlhf import losses
-from jaxrlhf.config import RunConfig, RunLayout, validate
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout, validate
 from jaxrlhf.data import BatchIterator, TokenizedDataset, load_datasets, load_tokenizer
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tokenizer import Tokenizer
@@ -31,7 +31,8 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params, save_hf
-from jaxrlhf.models.hf_config import load_hf_config
+from jaxrlhf.models.hf_config import checkpoint_head, load_hf_config
+from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.rewards import (
     RewardFn,
     call_reward_fn,
@@ -305,7 +306,7 @@ class RLTrainer:
 
     # ---- the host loop's protocol ------------------------------------------------------
 
-    def position(self) -> dict[str, float]:
+    def status(self) -> dict[str, float]:
         return {"epoch": self.prompts.state()["epoch"]}
 
     def evaluate(self) -> dict[str, float]:
@@ -411,6 +412,35 @@ def _kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | los
     return losses.FixedKL(loss.kl_coef)
 
 
+def _reward_model(cfg: RunConfig, source: str) -> ModelConfig:
+    """The reward model's config, checked to be a reward model (a scalar head).
+
+    Raises:
+      ConfigError: no readable config.json, or a causal LM given as the reward model.
+    """
+    field = f"{source}: {cfg.algorithm}.reward.model_dir"
+    path = rl_section(cfg).reward.model_dir
+    try:
+        model = load_hf_config(path)
+    except CheckpointError as e:
+        raise ConfigError(f"{field}: {e}") from None
+    if checkpoint_head(path) == "lm":
+        raise ConfigError(
+            f"{field}: {path} is a causal LM checkpoint, not a reward model (it has no score "
+            "head); train one with algorithm: reward_model (its hf/ export is a "
+            "*ForSequenceClassification), or score with reward.function instead"
+        )
+    return model
+
+
+def _reward_model_params(cfg: RunConfig, model: ModelConfig, shardings: Any, source: str) -> Any:
+    path = rl_section(cfg).reward.model_dir
+    try:
+        return load_params(path, model, head="scalar", shardings=shardings)
+    except CheckpointError as e:
+        raise ConfigError(f"{source}: {cfg.algorithm}.reward.model_dir: {e}") from None
+
+
 def build_rl_trainer(
     cfg: RunConfig,
     *,
@@ -448,7 +478,7 @@ def build_rl_trainer(
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
     reward_fn = rm_cfg = task_fn = None
     if algo.reward.model_dir is not None:
-        rm_cfg = load_hf_config(algo.reward.model_dir)
+        rm_cfg = _reward_model(cfg, source)
     else:
         reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
     if cfg.data.train.startswith(BUILTIN_PREFIX):
@@ -466,9 +496,7 @@ def build_rl_trainer(
     policy_state, value_state, ref_params = _initial_states(cfg, programs, init_key)
     rm_params = None
     if rm_cfg is not None:
-        rm_params = load_params(
-            algo.reward.model_dir, rm_cfg, head="scalar", shardings=programs.reward_shardings
-        )
+        rm_params = _reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
     return RLTrainer(
         cfg=cfg,
         layout=layout,

@@ -259,8 +259,12 @@ class SupervisedTrainer:
         self.steps_done += 1
         return StepOutput(metrics=metrics, skipped=metrics["skipped"])
 
-    def position(self) -> dict[str, float]:
-        return {"epoch": self.batches.state()["epoch"]}
+    def status(self) -> dict[str, float]:
+        last_update = max(int(self.state.step) - 1, 0)  # skipped updates do not count
+        return {
+            "epoch": self.batches.state()["epoch"],
+            "lr": float(self.programs.learner.lr_fn(last_update)),
+        }
 
     def evaluate(self) -> dict[str, float]:
         """Weighted means of the metrics over the whole held-out set (``eval/`` keys)."""

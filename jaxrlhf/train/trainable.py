@@ -53,8 +53,9 @@ class Trainable(Protocol):
     def step(self) -> StepOutput:
         """One step (an update, or an RL iteration); advances ``steps_done``."""
 
-    def position(self) -> dict[str, float]:
-        """Where the run is in its data (e.g. ``epoch``), added to every logged row."""
+    def status(self) -> dict[str, float]:
+        """Host values that describe the run as it is now (the data ``epoch``, the ``lr`` of
+        the last update), added to every logged row in place of the window's means."""
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics (``eval/`` keys), or {} when there is nothing to evaluate."""

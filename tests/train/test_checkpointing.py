@@ -386,14 +386,26 @@ def test_train_step_leaves_state_untouched_on_nan(tmp_path, monkeypatch):
     assert float(metrics["skipped"]) == 0.0 and int(trainer.state.step) == 1
 
 
-def test_consecutive_nonfinite_updates_stop_without_a_poisoned_checkpoint(tmp_path, monkeypatch):
+def test_consecutive_nonfinite_updates_stop_with_the_last_good_state_saved(tmp_path, monkeypatch):
+    """Updates 5, 6, 7 are non-finite and skipped; the run stops at step 7 and saves it. A
+    skipped update changes nothing, so checkpoint 7 holds the step-4 state, equal to the
+    regular checkpoint 6 (steps 5 and 6 skipped too)."""
     _poisoned_sft(set(range(4, 100)), monkeypatch)
     args = (*SFT_ARGS, "train.steps=20", "train.max_consecutive_skips=3", "checkpoint.every=2")
     with pytest.raises(TrainingDiverged, match="3 consecutive updates") as err:
         loop.run(config("tiny_sft", tmp_path, *args))
     assert "\n" not in str(err.value)
+    assert "The last good state: checkpoint 7 in" in str(err.value)
     ckpt = RunCheckpointer(str(tmp_path / "checkpoints"), CheckpointConfig())
-    assert ckpt.latest() == 6  # steps 5 and 6 were skipped: that state is still the step-4 one
+    assert ckpt.steps() == [6, 7]
+    trainer = loop.build_trainer(config("tiny_sft", tmp_path, *args))
+    target, _ = trainer.snapshot()
+    six, _ = ckpt.restore(6, target)
+    seven, meta = ckpt.restore(7, target)
+    assert int(seven["train"].step) == 4 and meta["step"] == 7
+    _assert_trees_equal(seven["train"], six["train"])
+    for leaf in jax.tree.leaves(seven["train"]):
+        assert np.all(np.isfinite(np.asarray(leaf)))
     assert not os.path.exists(tmp_path / "hf")  # no export of a failed run
 
 
