@@ -70,7 +70,7 @@ class RandomPrompts:
     """Endless [8, 64] batches of random prompt tokens (no padding), all from one empty
     record (the reward function reads no columns)."""
 
-    dataset = types.SimpleNamespace(records=[{}])
+    dataset = types.SimpleNamespace(columns=lambda index, exclude=(): {})
 
     def __init__(self, vocab: int, seed: int = 0):
         self.rng, self.vocab = np.random.default_rng(seed), vocab

@@ -51,7 +51,7 @@ def train(iterations: int = 60, seed: int = 0) -> list[float]:
     loss_cfg = GRPOLossConfig(clip_high=0.28)  # k3 KL loss term, beta 0.04
     forward = RolloutForward(module, NEW_TOKENS)  # rows [prompt | response], unpacked
     optimizer, lr_fn = make_optimizer(OptimizerConfig(lr=3e-3, schedule="constant"), iterations)
-    learner = Learner(policy_objective(loss_cfg, forward), module, optimizer, lr_fn)
+    learner = Learner(policy_objective(loss_cfg), forward, optimizer, lr_fn)
     state = create_state(params, optimizer)
     update = jax.jit(
         lambda s, b, k: rl_update(

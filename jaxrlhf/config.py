@@ -1,15 +1,19 @@
-"""The run config: component configs composed into one typed, validated ``RunConfig``.
+"""The run config: component configs composed into one typed ``RunConfig``, and the one
+validation of a run (:func:`validate`).
 
-Each component keeps its own frozen dataclass next to its code (``DataConfig`` in
-``jaxrlhf.data``, ``OptimizerConfig`` in ``jaxrlhf.train.optim``, ``MeshConfig`` in
-``jaxrlhf.sharding``, one per algorithm in ``jaxrlhf.train``); this module only composes
-them, loads them from YAML with dotted command-line overrides, and checks what no single
-component can check alone (batch sizes against the mesh, sequence lengths against the
-model, the mesh against the devices).
+Each component keeps its own frozen dataclass in a light module beside its code
+(``DataConfig`` in ``jaxrlhf.data.config``, ``MeshConfig`` and ``PlacementConfig`` in
+``jaxrlhf.sharding``, the loop, optimizer and supervised algorithms in
+``jaxrlhf.train.config``, PPO and GRPO in ``jaxrlhf.train.rl_config``); importing this module
+loads no Flax, optax or model code. It composes them, loads them from YAML with dotted
+command-line overrides (:func:`load_config`, each section checked as it is built), and
+:func:`validate` checks once, before any device work, what no single component can check
+alone (batch sizes against the mesh, sequence lengths against the model, the meshes against
+the devices) and returns what the run derives (:class:`RunLayout`).
 
 YAML layout (every section optional except ``algorithm``)::
 
-    algorithm: sft              # sft | reward_model | dpo
+    algorithm: sft              # sft | reward_model | dpo | ppo | grpo
     output_dir: runs/tiny_sft   # default: runs/<config file name>
     model: {preset: tiny, hidden_size: 64}   # or {hf_dir: PATH, dtype: bfloat16}
     tokenizer: {path: builtin}
@@ -20,7 +24,7 @@ YAML layout (every section optional except ``algorithm``)::
     train: {steps: 200, batch_size: 32}
     logging: {progress: auto}
     checkpoint: {export_hf: true}
-    sft: {...}  reward_model: {...}  dpo: {...}   # the chosen algorithm's options
+    sft: {...}  reward_model: {...}  dpo: {...}  ppo: {...}  grpo: {...}   # its options
 
 Overrides are ``section.field=value`` with the value parsed as YAML (``optimizer.lr=1e-5``,
 ``data.eval=null``, ``mesh.fsdp=4``). Every error is a :class:`ConfigError` whose message is
@@ -478,7 +482,7 @@ def _check_model(cfg: RunConfig, ctx: _Context) -> ModelConfig:
             f"({model_cfg.max_position_embeddings})",
         )
     if cfg.algorithm in RL_ALGORITHMS:
-        total = cfg.data.max_prompt_length + _rl_section(cfg).rollout.max_new_tokens
+        total = cfg.data.max_prompt_length + rl_section(cfg).rollout.max_new_tokens
         if total > model_cfg.max_position_embeddings:
             ctx.fail(
                 f"{cfg.algorithm}.rollout.max_new_tokens",
@@ -508,7 +512,7 @@ def _device_counts(
     if devices is None:  # a real run: check the placement against this process's JAX
         import jax
 
-        from jaxrlhf.platform import check_cpu_devices
+        from jaxrlhf.sharding.placement import check_cpu_devices
 
         try:
             check_cpu_devices(placement.cpu_devices)
@@ -540,7 +544,7 @@ def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
         shards = generate_shards(cfg.placement, devices)
     except MeshError as e:
         ctx.fail("placement.generate_mesh", str(e))
-    prompts = _rl_section(cfg).rollout.prompts_per_step
+    prompts = rl_section(cfg).rollout.prompts_per_step
     if prompts % shards:
         ctx.fail(
             "placement.generate_mesh",
@@ -578,7 +582,8 @@ def _supervised_micro_batches(cfg: RunConfig, shards: int, ctx: _Context) -> int
     return 1 if t.micro_batch_size is None else t.batch_size // (t.micro_batch_size * shards)
 
 
-def _rl_section(cfg: RunConfig) -> PPOConfig | GRPOConfig:
+def rl_section(cfg: RunConfig) -> PPOConfig | GRPOConfig:
+    """The config section of an RL run's algorithm (``ppo`` or ``grpo``)."""
     return cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
 
 
@@ -586,7 +591,7 @@ def validate(
     cfg: RunConfig,
     devices: int | None = None,
     *,
-    train_devices: int | None = None,
+    mesh: Any = None,
     source: str = "<config>",
     override_paths: Iterable[str] = (),
 ) -> RunLayout:
@@ -597,8 +602,9 @@ def validate(
       cfg: the config.
       devices: devices of the whole run; None: this process's JAX devices (a real run: the
         placement's ``cpu_devices`` and process count are checked against JAX too).
-      train_devices: devices of a training mesh passed in code; None: the placement's
-        ``train_devices`` of ``devices``.
+      mesh: a training mesh passed in code (a ``jax.sharding.Mesh``: its ``data``, ``fsdp``
+        and ``tensor`` sizes are the training mesh's, in place of ``cfg.mesh`` over the
+        placement's ``train_devices``); None: from the config.
       source, override_paths: where the config came from, for the messages.
 
     Raises:
@@ -609,14 +615,16 @@ def validate(
     ctx = _Context(source, override_paths)
     model_cfg = _check_model(cfg, ctx)
     _check_data(cfg, ctx)
-    devices, train = _device_counts(cfg, devices, train_devices, ctx)
-    try:
+    given = None if mesh is None else tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
+    devices, train = _device_counts(cfg, devices, None if given is None else mesh.size, ctx)
+    try:  # the config's mesh must fit even where a mesh passed in code then replaces it
         shape = resolve_mesh_shape(cfg.mesh, train)
     except MeshError as e:
         subset = cfg.placement.train_devices
         ctx.fail(
             "mesh", str(e) + (f" (placement.train_devices = {subset})" if subset != -1 else "")
         )
+    shape = given or shape
     shards = shape[0] * shape[1]
     generate = _generate_shards(cfg, devices, ctx)
     rl = None
@@ -624,7 +632,7 @@ def validate(
         # RL batches are rollouts: train.batch_size is unused.
         try:
             rl = rl_layout(
-                _rl_section(cfg),
+                rl_section(cfg),
                 section=cfg.algorithm,
                 shards=shards,
                 micro_batch_size=cfg.train.micro_batch_size,

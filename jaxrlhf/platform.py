@@ -6,8 +6,8 @@ jaxrlhf.train`` calls :func:`configure_cpu_host` before JAX starts; notebooks an
 can call it too (first thing, before any JAX computation).
 
 * **Devices.** :func:`set_cpu_devices` splits a CPU host into N JAX devices
-  (``jax_num_cpu_devices``, fixed when the backend starts); :func:`check_cpu_devices` checks
-  that a run got what its ``placement.cpu_devices`` asks for.
+  (``jax_num_cpu_devices``, fixed when the backend starts); ``sharding.placement``'s
+  ``check_cpu_devices`` checks that a run got what its ``placement.cpu_devices`` asks for.
 * **Cores.** :func:`usable_cores`: the cores this process may use (affinity mask capped by a
   cgroup v2 quota).
 * **Decode weight blocks.** :func:`decode_weight_blocks` says whether the sampler's decode
@@ -34,7 +34,7 @@ process-wide settings:
 
 Not every step: now and then a small allocation made between two steps takes a piece of the
 freed buffer, the next step's no longer fits there, and the heap grows by one buffer that is
-faulted in fresh (tests/test_host_memory.py). The costs: the process keeps up to 2 GiB of
+faulted in fresh (tests/test_platform.py). The costs: the process keeps up to 2 GiB of
 freed memory mapped, and Python waits for each computation it dispatches (on a CPU the host
 and the computation share the cores anyway). ``JAXRLHF_HOST_MEMORY=system`` keeps glibc's
 and JAX's defaults.
@@ -139,26 +139,6 @@ def set_cpu_devices(count: int) -> str | None:
     except RuntimeError:
         return "JAX has already started"
     return None
-
-
-def check_cpu_devices(want: int | None) -> None:
-    """On a CPU run, checks that JAX has the ``want`` CPU devices a placement asks for (None:
-    any count).
-
-    Raises:
-      MeshError: JAX started with another count (nothing set it before JAX started).
-    """
-    from jaxrlhf.sharding.mesh import MeshError
-
-    if want is None or jax.default_backend() != "cpu":
-        return
-    have = jax.local_device_count()
-    if have != want:
-        raise MeshError(
-            f"placement.cpu_devices: {want} asked, but JAX started with {have} CPU device(s); "
-            "`python -m jaxrlhf.train` sets it from the config, or call "
-            f"jaxrlhf.platform.set_cpu_devices({want}) before JAX starts"
-        )
 
 
 def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:

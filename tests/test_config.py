@@ -246,7 +246,11 @@ def test_missing_and_malformed_files(tmp_path):
 def test_programmatic_config_is_validated_the_same_way():
     with pytest.raises(ConfigError, match=r"^<config>: train.steps: must be >= 1, got 0$"):
         from_dict(dict(BASE, train={"steps": 0}))
-    assert isinstance(from_dict(BASE), RunConfig)
+    cfg = from_dict(BASE)
+    assert isinstance(cfg, RunConfig)
+    assert validate(cfg, 8).num_micro == 1  # across sections, as a run validates it
+    with pytest.raises(ConfigError, match="train.batch_size: 16 is not divisible by the 3"):
+        validate(from_dict(dict(BASE, mesh={"data": 3, "fsdp": 1})), 3)
 
 
 # ---- CLI -----------------------------------------------------------------------------------

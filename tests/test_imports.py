@@ -10,7 +10,12 @@ Layering (DESIGN.md, STYLE.md):
   research code can take it alone;
 * ``jaxrlhf.models`` never imports sharding, generation or train;
 * sharding, generation and data never import train;
-* data never imports models or rewards.
+* data never imports models or rewards;
+* and the arrows that follow from the layering (``FORBIDDEN``): rewards sit above data,
+  models and sharding but below train; the platform module imports nothing of the package.
+
+Importing ``jaxrlhf.a.b`` also runs ``jaxrlhf/a/__init__.py``: the graph has that edge too,
+so a cycle through a package's ``__init__`` is caught.
 """
 
 from __future__ import annotations
@@ -25,10 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxrlhf"
 
 FORBIDDEN = {
-    "jaxrlhf.models": ("jaxrlhf.sharding", "jaxrlhf.generation", "jaxrlhf.train"),
-    "jaxrlhf.sharding": ("jaxrlhf.train",),
-    "jaxrlhf.generation": ("jaxrlhf.train",),
+    "jaxrlhf.models": (
+        "jaxrlhf.sharding",
+        "jaxrlhf.generation",
+        "jaxrlhf.train",
+        "jaxrlhf.rewards",
+        "jaxrlhf.data",
+    ),
+    "jaxrlhf.sharding": ("jaxrlhf.train", "jaxrlhf.generation", "jaxrlhf.rewards"),
+    "jaxrlhf.generation": ("jaxrlhf.train", "jaxrlhf.rewards"),
     "jaxrlhf.data": ("jaxrlhf.train", "jaxrlhf.models", "jaxrlhf.rewards"),
+    "jaxrlhf.rewards": ("jaxrlhf.train", "jaxrlhf.generation"),
+    "jaxrlhf.platform": ("jaxrlhf.",),  # below every layer: nothing of the package
 }
 LOSSES_MAY_IMPORT = {"jax", "numpy", "jaxtyping"}
 
@@ -68,6 +81,11 @@ def read_graph(root: Path) -> tuple[dict[str, set[str]], dict[str, set[str]], li
                     continue
                 full = f"{name}.{attr}" if attr else name
                 target = full if full in files else name
+                parent = target.rpartition(".")[0]  # its package's __init__ runs first
+                while parent and parent != module and parent in files:
+                    if not module.startswith(parent + "."):  # a package's own modules
+                        edges[module].add(parent)
+                    parent = parent.rpartition(".")[0]
                 if attr and attr.startswith("_") and not attr.startswith("__") and name != module:
                     private.append(f"{module}: from {name} import {attr}")
                 if target != module and target in files:
@@ -151,6 +169,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert forbidden_arrows(edges, external) == [
         "jaxrlhf.data.d -> jaxrlhf.rewards",
         "jaxrlhf.losses.c -> flax",
+        "jaxrlhf.models.a -> jaxrlhf.train",  # importing train.b runs train/__init__.py
         "jaxrlhf.models.a -> jaxrlhf.train.b",
     ]
     assert private == ["jaxrlhf.train.b: from jaxrlhf.models.a import _helper"]

@@ -154,14 +154,16 @@ PROBE = {
     # The notebook trains what `python -m jaxrlhf.train --config configs/quickstart.yaml`
     # (and grpo_quickstart.yaml) trains: its stage configs, resolved, equal the YAML files
     # resolved with the notebook's paths and step counts.
-    from jaxrlhf.config import load_config, to_dict
+    from jaxrlhf.config import load_config, to_dict, validate
 
     for name, notebook_cfg in result["configs"].items():
         got = _flatten(notebook_cfg)
         overrides = [f"{k}={got[k]}" for k in QUICKSTART_OWN_FIELDS if got.get(k) is not None]
         for filename in QUICKSTART_FILES[name]:
             path = ROOT / "configs" / "quickstart" / filename
-            want = _flatten(to_dict(load_config(str(path), overrides)))
+            loaded = load_config(str(path), overrides)
+            validate(loaded, 1, source=str(path))  # every stage validates on one device
+            want = _flatten(to_dict(loaded))
             differ = {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys()}
             differ = {k: v for k, v in differ.items() if v[0] != v[1]}
             assert not differ, f"notebook {name} vs {path.name} (notebook, file): {differ}"

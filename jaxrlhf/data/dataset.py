@@ -64,6 +64,20 @@ class TokenizedDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def columns(self, indices: np.ndarray, exclude: tuple[str, ...] = ()) -> dict[str, list]:
+        """The records ``indices``' fields other than ``exclude``, one list per field name
+        (in the order of ``indices``; None where a record lacks the field).
+
+        Raises:
+          ValueError: a negative index (a padding row has no record).
+        """
+        indices = np.asarray(indices)
+        if (indices < 0).any():
+            raise ValueError("padding rows (index -1) have no record to read columns from")
+        records = [self.records[i] for i in indices]
+        names = sorted({k for r in records for k in r} - set(exclude))
+        return {k: [r.get(k) for r in records] for k in names}
+
     def batch(self, indices: np.ndarray, length: int) -> Batch:
         """The rows ``indices`` (-1 = padding row) padded to ``length`` tokens."""
         indices = np.asarray(indices)

@@ -75,20 +75,21 @@ def reward_fn_name(fn: Callable[..., Any]) -> str:
     return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _accepted(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments ``fn``'s signature takes (all of them with ``**kwargs``)."""
+RESERVED = ("prompts", "completions", "prompt_ids", "completion_ids")
+
+
+def accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (by name, or any with ``**kwargs``);
+    False for callables without a signature (builtins, C functions)."""
     try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable: pass nothing extra
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(kwargs)
-    names = {
-        p.name
-        for p in params
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    }
-    return {k: v for k, v in kwargs.items() if k in names}
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    p = params.get(name)
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return p is not None and p.kind in keyword
 
 
 def _where(e: BaseException) -> str:
@@ -119,13 +120,19 @@ def call_reward_fn(
         the message names the function.
     """
     name = reward_fn_name(fn)
-    kwargs: dict[str, Any] = dict(columns or {})
-    if prompt_ids is not None:
-        kwargs["prompt_ids"] = [list(map(int, ids)) for ids in prompt_ids]
-    if completion_ids is not None:
-        kwargs["completion_ids"] = [list(map(int, ids)) for ids in completion_ids]
+    columns = dict(columns or {})
+    clash = sorted(set(columns) & set(RESERVED))
+    if clash:
+        raise RewardError(
+            f"reward function {name}: the data has a column {clash[0]!r}, a name reserved for "
+            f"the rollout ({', '.join(RESERVED)}); rename the column"
+        )
+    kwargs = {k: v for k, v in columns.items() if accepts(fn, k)}
+    for key, ids in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+        if ids is not None and accepts(fn, key):
+            kwargs[key] = [list(map(int, row)) for row in ids]
     try:
-        raw = fn(list(prompts), list(completions), **_accepted(fn, kwargs))
+        raw = fn(list(prompts), list(completions), **kwargs)
     except Exception as e:  # noqa: BLE001  the user's code: say whose, and where
         first = (str(e).strip().splitlines() or [""])[0]
         raise RewardError(

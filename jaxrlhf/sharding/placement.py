@@ -33,7 +33,6 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
-from jaxrlhf.platform import check_cpu_devices
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, make_mesh, resolve_mesh_shape
 
 _ALL = -1
@@ -135,3 +134,21 @@ def generate_shards(placement: PlacementConfig, device_count: int) -> int | None
         return None
     data, fsdp, _ = resolve_mesh_shape(placement.generate_mesh, device_count)
     return data * fsdp
+
+
+def check_cpu_devices(want: int | None) -> None:
+    """On a CPU run, checks that JAX has the ``want`` CPU devices a placement asks for (None:
+    any count).
+
+    Raises:
+      MeshError: JAX started with another count (nothing set it before JAX started).
+    """
+    if want is None or jax.default_backend() != "cpu":
+        return
+    have = jax.local_device_count()
+    if have != want:
+        raise MeshError(
+            f"placement.cpu_devices: {want} asked, but JAX started with {have} CPU device(s); "
+            "`python -m jaxrlhf.train` sets it from the config, or call "
+            f"jaxrlhf.platform.set_cpu_devices({want}) before JAX starts"
+        )

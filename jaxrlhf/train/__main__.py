@@ -50,6 +50,7 @@ def _train(args: argparse.Namespace) -> None:
     from jaxrlhf import platform
     from jaxrlhf.config import load_config, override_paths
     from jaxrlhf.sharding.distributed import initialize_from_env
+    from jaxrlhf.sharding.placement import check_cpu_devices
     from jaxrlhf.train.pipeline import pipeline_stages, requested_cpu_devices
 
     stages = pipeline_stages(args.config) or [args.config]
@@ -57,7 +58,7 @@ def _train(args: argparse.Namespace) -> None:
     for note in platform.configure_cpu_host(cpu_devices):  # before the backend starts
         logging.getLogger("jaxrlhf").debug("%s", note)
     initialize_from_env()  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
-    platform.check_cpu_devices(cpu_devices)  # before sizes are checked
+    check_cpu_devices(cpu_devices)  # before sizes are checked
     from jaxrlhf.train import loop
 
     for i, path in enumerate(stages):

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
+from jaxrlhf import platform
 from jaxrlhf.config import (
     COMMAND_LINE,
     RL_ALGORITHMS,
@@ -307,7 +308,7 @@ def plan(
     layout = validate(
         cfg,
         len(devices),
-        train_devices=mesh.size,
+        mesh=mesh,
         source=source,
         override_paths=override_paths,
     )
@@ -376,11 +377,11 @@ def _configured_devices(path: str, overrides: Sequence[str]) -> int | None:
 def _cpu_devices(n: int | None) -> bool:
     """Points JAX, if it has not started yet, at ``n`` CPU devices (None: as configured);
     returns whether this process has at least ``n``."""
+    if n is not None:
+        platform.set_cpu_devices(n)  # a no-op once JAX has started: its count is fixed
     try:
-        if n is not None:
-            jax.config.update("jax_num_cpu_devices", n)
         jax.config.update("jax_platforms", "cpu")  # read when JAX starts, ignored after
-    except RuntimeError:  # JAX has started: its device count is fixed
+    except RuntimeError:
         pass
     return n is None or len(jax.devices("cpu")) >= n
 

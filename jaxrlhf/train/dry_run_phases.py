@@ -23,15 +23,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.config import ConfigError, RunConfig, RunLayout
-from jaxrlhf.generation import SamplingParams
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
-from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, rl_section
+from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
 from jaxrlhf.train.state import TrainState, create_state
 from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
@@ -292,20 +291,12 @@ def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfi
     """The run's RLPrograms on abstract shapes: the sampler compiled as on an accelerator
     (no CPU weight blocks), one stop id (the tokenizer's EOS, unread here)."""
     algo = rl_section(pl.cfg)
-    r = algo.rollout
     rm_model, note = None, ""
     if algo.reward.model_dir is not None:
         rm_model, note = pl.arch(algo.reward.model_dir, f"{pl.cfg.algorithm}.reward.model_dir")
     else:
         pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
-    sampling = SamplingParams(  # shapes only: a stop id is always one entry (EOS or -1)
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        n=r.num_samples,
-        return_model_logprobs=True,
-    )
+    sampling = sampling_params(algo)  # shapes only: a stop id is always one entry
     programs = build_rl_programs(
         pl.cfg,
         layout,

@@ -38,7 +38,12 @@ from jaxrlhf.train.metrics import (
 from jaxrlhf.train.preemption import StopSignals, TrainingDiverged, check_skips
 from jaxrlhf.train.rl_trainer import RLTrainer, build_rl_trainer
 from jaxrlhf.train.run_dir import RunLock, check_output_dir
-from jaxrlhf.train.supervised import OBJECTIVES, SupervisedTrainer, build_supervised_trainer
+from jaxrlhf.train.supervised import (
+    OBJECTIVES,
+    SupervisedTrainer,
+    build_supervised_trainer,
+    objective_for,
+)
 from jaxrlhf.train.trainable import Trainable, add_metrics
 
 logger = logging.getLogger(__name__)
@@ -57,7 +62,7 @@ def run_directory(cfg: RunConfig) -> str:
 def exported_model(cfg: RunConfig) -> tuple[str, str]:
     """``(directory, head)`` of the Hugging Face model a run exports at its end (when
     ``checkpoint.export_hf``): the trained model, or the policy of an RL run."""
-    head = "scalar" if cfg.algorithm == "reward_model" else "lm"
+    head = "lm" if cfg.algorithm in RL_ALGORITHMS else objective_for(cfg).head
     return os.path.join(run_directory(cfg), HF_DIR), head
 
 
@@ -107,8 +112,12 @@ class _Window:
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> _Window:
-        running = {k: np.asarray(v, dtype) for k, (v, dtype) in meta["running"].items()}
-        return cls(running or None, int(meta["running_count"]), int(meta["skip_run"]))
+        """The window a checkpoint saved (RL checkpoints of earlier versions saved only
+        ``skip_run``: an empty window)."""
+        saved = meta.get("running", {})
+        running = {k: np.asarray(v, dtype) for k, (v, dtype) in saved.items()}
+        count = int(meta.get("running_count", 0))
+        return cls(running or None, count, int(meta.get("skip_run", 0)))
 
 
 def _snapshot(trainer: Trainable, window: _Window) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -170,8 +179,9 @@ def _train(
     progress: Progress,
     window: _Window,
 ) -> None:
-    """Steps from ``trainer.steps_done`` to ``train.steps``: logs every ``log_window`` steps
-    (the window's mean), evaluates every ``train.eval_every``, checkpoints when due."""
+    """Steps from ``trainer.steps_done`` to ``train.steps``: logs a row every ``log_window``
+    steps (the window's mean), shows a progress line every ``train.log_every``, evaluates
+    every ``train.eval_every``, checkpoints when due."""
     t = trainer.cfg.train
     first, every = trainer.steps_done, trainer.log_window
     eval_keys = tuple(f"eval/{k}" for k in trainer.summary_keys)
@@ -185,6 +195,7 @@ def _train(
     with StopSignals() as signals, _saved_on_stop(trainer, ckpt, window):
         if first == 0:
             evaluate(0)
+        window.start = time.perf_counter()  # the first row times steps, not the evaluation
         # Counts of consecutive steps with skipped updates (the longest run since the last
         # check), kept where the trainer's metrics live, so checking them needs no per-step
         # host sync.
@@ -196,13 +207,15 @@ def _train(
             window.running = add_metrics(window.running, out.metrics)
             window.count += 1
             done = i + 1
+            row = None
             if done % every == 0 or done == t.steps:
                 host = jax.device_get(window.running)
                 row = {k: float(v) / window.count for k, v in host.items()}
                 row["time/step_s"] = (time.perf_counter() - window.start) / window.count
-                row.update(trainer.status())
-                progress.update(done, log.log(done, row), trainer.summary_keys)
+                row = log.log(done, {**row, **trainer.status()})
                 window.running, window.count, window.start = None, 0, time.perf_counter()
+            if row is not None and (done % t.log_every == 0 or done == t.steps):
+                progress.update(done, row, trainer.summary_keys)
             else:
                 progress.update(done)
             if done % every == 0 or ckpt.due(done) or done == t.steps:
@@ -241,7 +254,7 @@ def run(
     """
     layout = validate(
         cfg,
-        train_devices=None if mesh is None else mesh.size,
+        mesh=mesh,
         source=source,
         override_paths=override_paths,
     )

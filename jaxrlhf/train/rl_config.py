@@ -127,8 +127,11 @@ class RewardConfig:
     """Where scores come from: a programmatic function or a trained reward model.
 
     Attributes:
-      function: dotted path ``module.attr`` of ``fn(prompts, completions) -> [B] scores``
-        (lists of str in, floats out), or ``builtin`` for the built-in task's reward.
+      function: dotted path ``module.attr`` of a reward function, or ``builtin`` for the
+        built-in task's reward. It is called as ``fn(prompts, completions, **kwargs) -> [N]
+        scores`` (decoded text, one entry per rollout row) with, as keyword arguments it
+        accepts, ``prompt_ids``, ``completion_ids`` and every other column of the prompt's
+        dataset record (e.g. ``answer``); see ``jaxrlhf.rewards.functions``.
       model_dir: a Hugging Face reward model (``*ForSequenceClassification``, e.g. the RM
         trainer's export); used when ``function`` is null.
       normalize: whiten scores over each rollout batch (mean 0, std 1).

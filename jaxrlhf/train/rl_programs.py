@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import losses
-from jaxrlhf.config import RunConfig, RunLayout
+from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
@@ -44,9 +44,23 @@ from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
 from jaxrlhf.train.state import TrainState, state_shardings
 
 
-def rl_section(cfg: RunConfig) -> PPOConfig | GRPOConfig:
-    """The config section of the run's RL algorithm."""
-    return cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+def sampling_params(
+    algo: PPOConfig | GRPOConfig, eos_id: int | None = None, pad_id: int = 0
+) -> SamplingParams:
+    """The rollout's sampling: ``rollout`` settings, stopping at ``eos_id`` when
+    ``rollout.stop_at_eos`` (None: no stop token), padding with ``pad_id``, the model's own
+    log-probs returned (the behaviour log-probs)."""
+    r = algo.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=(eos_id,) if r.stop_at_eos and eos_id is not None else (),
+        n=r.num_samples,
+        pad_token_id=pad_id,
+        return_model_logprobs=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,15 +201,19 @@ def _learner(
     head: str,
     optimizer_cfg: Any,
     updates: int,
-    objective: Callable[[Any], steps.Objective],
+    objective: steps.Objective,
+    max_new_tokens: int,
 ) -> tuple[steps.Learner, TrainState]:
-    """The learner of ``role`` (train rules) whose objective is ``objective(module)``."""
+    """The learner of ``role`` (train rules): its model applied through a RolloutForward that
+    packs the objective's ``row_group``."""
     rules = rules_for(role, "train")
     param_sh = param_shardings(model, mesh, rules, head)
     optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
     shardings = state_shardings(model_lib.abstract_params(model, head), param_sh, optimizer, mesh)
-    module = build_sharded(model, mesh, rules, head)
-    learner = steps.Learner(objective(module), module, optimizer, lr_fn, rules, param_sh)
+    forward = RolloutForward(
+        build_sharded(model, mesh, rules, head), max_new_tokens, objective.row_group
+    )
+    learner = steps.Learner(objective, forward, optimizer, lr_fn, rules, param_sh)
     return learner, shardings
 
 
@@ -212,7 +230,8 @@ def _learners(
         "lm",
         cfg.optimizer,
         rl.updates,
-        lambda module: rl_steps.policy_objective(algo.loss, RolloutForward(module, r, group)),
+        rl_steps.policy_objective(algo.loss, group),
+        r,
     )
     if not isinstance(algo, PPOConfig):
         return policy, policy_sh, None, None
@@ -227,9 +246,8 @@ def _learners(
         "scalar",
         critic_opt,
         rl.updates,
-        lambda module: rl_steps.value_objective(
-            algo.value_clip, algo.loss.aggregation, RolloutForward(module, r, group), gae
-        ),
+        rl_steps.value_objective(algo.value_clip, algo.loss.aggregation, group, gae),
+        r,
     )
     return policy, policy_sh, value, value_sh
 
@@ -238,20 +256,61 @@ def _reward_program(
     reward_model: ModelConfig, layout: RunLayout, r: int, mesh: Mesh
 ) -> tuple[Callable[..., jax.Array], Any]:
     """The jitted reward-model scoring and the reward model's parameter shardings."""
-    rm_rules = rules_for("reward", "score")
+    rm_rules, score_rules = rules_for("reward", "score"), rules_for("policy", "score")
     forward = RolloutForward(
         build_sharded(reward_model, mesh, rm_rules, "scalar"), r, layout.rl.groups.score
     )
+    params_sh = param_shardings(reward_model, mesh, rm_rules, "scalar")
+    rows2 = steps.batch_sharding(mesh, score_rules, 2)
     program = jax.jit(
         functools.partial(
             reward_model_scores,
             forward,
             num_micro=layout.rl.score_micro,
             mesh=mesh,
-            rules=rules_for("policy", "score"),
-        )
+            rules=score_rules,
+        ),
+        in_shardings=(params_sh, rows2, rows2),
+        out_shardings=steps.batch_sharding(mesh, score_rules, 1),
     )
-    return program, param_shardings(reward_model, mesh, rm_rules, "scalar")
+    return program, params_sh
+
+
+def _score_program(
+    scoring: Scoring,
+    cfg: RunConfig,
+    model: ModelConfig,
+    shardings: tuple[Any, Any, Any],
+) -> Callable[..., Scored]:
+    """``scoring`` jitted with its shardings: the three models' parameters as given, rollout
+    rows over the data shards, the scalars replicated; the outputs' per-token arrays like
+    the rows, the metrics replicated."""
+    mesh, rules = scoring.mesh, scoring.rules
+    rows2, rows1 = steps.batch_sharding(mesh, rules, 2), steps.batch_sharding(mesh, rules, 1)
+    replicated = NamedSharding(mesh, P())
+    r = scoring.algo.rollout
+    n, t = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
+    rows = RolloutRows(
+        tokens=jax.ShapeDtypeStruct((n, t), jnp.int32),
+        mask=jax.ShapeDtypeStruct((n, t), bool),
+        response_mask=jax.ShapeDtypeStruct((n, t), bool),
+    )
+    lm, critic = model_lib.abstract_params(model), model_lib.abstract_params(model, "scalar")
+    abstract = jax.eval_shape(
+        scoring,
+        lm,
+        lm,
+        critic if scoring.has_critic else None,
+        rows,
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    out = jax.tree.map(lambda _: rows2, abstract.replace(metrics={}))
+    return jax.jit(
+        scoring,
+        in_shardings=(*shardings, RolloutRows(rows2, rows2, rows2), rows1, replicated),
+        out_shardings=out.replace(metrics=replicated),
+    )
 
 
 def build_rl_programs(
@@ -287,10 +346,12 @@ def build_rl_programs(
         reference=RolloutForward(
             build_sharded(model, mesh, rules_for("reference", "score"), "lm"), r, groups.score
         ),
-        policy=None if rl.reuse_policy_forward else RolloutForward(policy.module, r, groups.score),
+        policy=None
+        if rl.reuse_policy_forward
+        else dataclasses.replace(policy.module, group_size=groups.score),
         value=None
         if value is None or rl.reuse_value_forward
-        else RolloutForward(value.module, r, groups.score),
+        else dataclasses.replace(value.module, group_size=groups.score),
         has_critic=value is not None,
         num_micro=rl.score_micro,
         mesh=mesh,
@@ -329,7 +390,16 @@ def build_rl_programs(
         value_shardings=value_sh,
         reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
         reward_shardings=reward_sh,
-        score=jax.jit(scoring),
+        score=_score_program(
+            scoring,
+            cfg,
+            model,
+            (
+                policy_sh.params,
+                param_shardings(model, mesh, rules_for("reference", "score")),
+                None if value_sh is None else value_sh.params,
+            ),
+        ),
         reward=reward,
         update=update,
     )

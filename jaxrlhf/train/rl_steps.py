@@ -144,6 +144,8 @@ def value_loss(
         )
         outputs = ForwardOutputs(old_values=old, returns=returns, advantages=adv)
         extra = value_metrics(adv, returns, old, resp)
+    if aggregation == "token_sum_norm":  # value regression is a per-token mean in every variant
+        aggregation = "token_mean"
     loss, m = losses.ppo_value_loss(
         values, old, returns, resp, clip_range=clip_range, aggregation=aggregation
     )
@@ -177,41 +179,42 @@ def _weight(aggregation: str, batch: LearnerBatch) -> jax.Array:
     return resp.any(-1).sum()
 
 
-def policy_objective(cfg: PolicyLossConfig, forward: RolloutForward) -> steps.Objective:
-    """The policy's objective, applying its model through ``forward`` (whose packing the
-    update's micro-batches respect)."""
+def policy_objective(cfg: PolicyLossConfig, row_group: int = 1) -> steps.Objective:
+    """The policy's objective. Its learner's ``module`` is the policy's RolloutForward, whose
+    ``group_size`` must be ``row_group`` (micro-batches then keep packed groups whole)."""
     return steps.Objective(
         name="policy",
         role="policy",
         head="lm",
         data_kind="prompt",
-        loss_fn=lambda _, params, batch: policy_loss(cfg, forward, params, batch),
+        loss_fn=functools.partial(policy_loss, cfg),
         weight_fn=functools.partial(_weight, cfg.aggregation),
         primary="loss/policy",
         summary=("loss/policy",),
-        row_group=forward.group_size,
+        row_group=row_group,
     )
 
 
 def value_objective(
     clip_range: float | None,
     aggregation: str,
-    forward: RolloutForward,
+    row_group: int = 1,
     gae: GaeConfig | None = None,
 ) -> steps.Objective:
-    """The critic's objective (value regression is a per-token mean in every aggregation but
-    the sequence ones)."""
+    """The critic's objective (its learner's ``module``: the critic's RolloutForward, as for
+    :func:`policy_objective`). Value regression is a per-token mean in every aggregation but
+    the sequence ones."""
     agg = "token_mean" if aggregation == "token_sum_norm" else aggregation
     return steps.Objective(
         name="value",
         role="value",
         head="scalar",
         data_kind="prompt",
-        loss_fn=lambda _, params, batch: value_loss(clip_range, agg, gae, forward, params, batch),
+        loss_fn=functools.partial(value_loss, clip_range, agg, gae),
         weight_fn=functools.partial(_weight, agg),
         primary="loss/value",
         summary=("loss/value",),
-        row_group=forward.group_size,
+        row_group=row_group,
     )
 
 
@@ -390,7 +393,10 @@ def rl_update(
             f"micro-batch, got {epochs} epoch(s) x {num_minibatches} minibatch(es) x "
             f"{num_micro} micro-batch(es)"
         )
-    group_size = learners[0].objective.row_group
+    group_sizes = {learner.objective.row_group for learner in learners}
+    if len(group_sizes) > 1:
+        raise ValueError(f"the learners pack prompt groups differently: {sorted(group_sizes)}")
+    group_size = group_sizes.pop()
     rules = learners[0].rules
     # The critic first: without scored advantages, its loss computes them for the policy
     # (what the batch lacks joins the batch of the learners after).

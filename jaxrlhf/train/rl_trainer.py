@@ -22,11 +22,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrlhf import losses
-from jaxrlhf.config import ConfigError, RunConfig, RunLayout, validate
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section, validate
 from jaxrlhf.data import BatchIterator, TokenizedDataset, load_datasets, load_tokenizer
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tokenizer import Tokenizer
-from jaxrlhf.generation import SampleOutput, SamplingParams
+from jaxrlhf.generation import SampleOutput
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
@@ -46,7 +46,7 @@ from jaxrlhf.train import rl_metrics
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
-from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, rl_section
+from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
 from jaxrlhf.train.state import TrainState, init_state
 from jaxrlhf.train.trainable import StepOutput
@@ -59,8 +59,8 @@ class RLTrainer:
     """Everything an RL run holds between iterations; the states are replaced by each update.
 
     Attributes:
-      cfg, layout: the config and what validation derived from it.
-      programs: the jitted programs (their shardings, the sampler).
+      cfg: the config.
+      programs: the jitted programs (their shardings, the sampler, the run's layout).
       tokenizer: decodes completions for reward functions; exported with the policy.
       prompts: the prompt batches (record indices included, for the reward's columns).
       reward_fn: the programmatic reward, or None with a reward model (``rm_params``).
@@ -75,7 +75,6 @@ class RLTrainer:
     """
 
     cfg: RunConfig
-    layout: RunLayout
     programs: RLPrograms
     tokenizer: Tokenizer
     prompts: BatchIterator
@@ -93,6 +92,11 @@ class RLTrainer:
     log_window = 1  # every iteration is a row of metrics.jsonl
     summary_keys = rl_metrics.SUMMARY_KEYS
     plot_keys = rl_metrics.PLOT_KEYS
+
+    @property
+    def layout(self) -> RunLayout:
+        """What validation derived from the config (``programs.layout``)."""
+        return self.programs.layout
 
     @property
     def algo(self) -> PPOConfig | GRPOConfig:
@@ -154,17 +158,40 @@ class RLTrainer:
 
     def _rewarded(self, out: SampleOutput, index: np.ndarray) -> Rollout:
         """The sampler's output as a Rollout, with its raw scores (``index``: each row's
-        prompt record, for the reward function's columns)."""
+        prompt record, whose other columns the reward function receives)."""
+        tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
+        mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
+        task_scores, scores = self._scores(out, tokens, mask, index)
+        reward_cfg = self.algo.reward
+        scores = scores - overlong_penalty(
+            np.asarray(out.lengths),
+            np.asarray(out.stopped),
+            self.algo.rollout.max_new_tokens,
+            reward_cfg.overlong_buffer,
+            reward_cfg.overlong_penalty,
+        )
         zeros = np.zeros(out.prompt_mask.shape, np.float32)
-        rollout = Rollout(
-            tokens=np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32),
-            mask=np.concatenate([out.prompt_mask, out.response_mask], axis=1),
+        return Rollout(
+            tokens=tokens,
+            mask=mask,
             response_mask=np.concatenate([np.zeros_like(out.prompt_mask), out.response_mask], 1),
             lengths=np.asarray(out.lengths),
             stopped=np.asarray(out.stopped),
             sampler_logprobs=np.concatenate([zeros, out.model_logprobs], axis=1),
-            scores=np.zeros(len(index), np.float32),
+            scores=scores.astype(np.float32),
+            task_scores=task_scores,
         )
+
+    def _scores(
+        self, out: SampleOutput, tokens: np.ndarray, mask: np.ndarray, index: np.ndarray
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """``(task scores or None, raw scores)`` of the rows: the reward function's on the
+        decoded text (the built-in task's, when it is the reward, counts as both) or the
+        reward model's."""
+        if self.reward_fn is None and self.task_fn is None:
+            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
+            return None, to_host(self.programs.reward(self.rm_params, *rows))
+        data = self.cfg.data
         prompt_ids = [t[m] for t, m in zip(out.prompt_tokens, out.prompt_mask, strict=True)]
         completion_ids = [t[m] for t, m in zip(out.tokens, out.response_mask, strict=True)]
         texts = dict(
@@ -172,33 +199,15 @@ class RLTrainer:
             completions=[self.tokenizer.decode(ids) for ids in completion_ids],
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
-            columns=self._columns(index),
+            columns=self.dataset.columns(index, exclude=(data.prompt_key, data.messages_key)),
         )
-        task_scores = None
-        if self.task_fn is not None:
-            task_scores = call_reward_fn(self.task_fn, **texts)
-        if self.reward_fn is not None:
-            scores = call_reward_fn(self.reward_fn, **texts)
-        else:
-            rows = put_global(
-                (rollout.tokens, rollout.mask), (self.programs.rows(2), self.programs.rows(2))
-            )
-            scores = to_host(self.programs.reward(self.rm_params, *rows))
-        reward_cfg = self.algo.reward
-        scores = scores - overlong_penalty(
-            rollout.lengths,
-            rollout.stopped,
-            self.algo.rollout.max_new_tokens,
-            reward_cfg.overlong_buffer,
-            reward_cfg.overlong_penalty,
-        )
-        return rollout.replace(scores=scores.astype(np.float32), task_scores=task_scores)
-
-    def _columns(self, index: np.ndarray) -> dict[str, list[Any]]:
-        """Each row's prompt record's columns other than the prompt (None where missing)."""
-        records = [self.dataset.records[i] for i in index]
-        names = sorted({k for r in records for k in r} - {"prompt"})
-        return {k: [r.get(k) for r in records] for k in names}
+        task = None if self.task_fn is None else call_reward_fn(self.task_fn, **texts)
+        if self.reward_fn is None:  # a reward model drives RL; the task reward is logged
+            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
+            return task, to_host(self.programs.reward(self.rm_params, *rows))
+        if self.reward_fn is self.task_fn:
+            return task, task
+        return task, call_reward_fn(self.reward_fn, **texts)
 
     def dynamic_rollout(self, key: jax.Array) -> tuple[Rollout, dict[str, float]]:
         """GRPO/DAPO dynamic sampling: keep groups whose scores differ; refill."""
@@ -358,20 +367,6 @@ class RLTrainer:
 # ---- building ----------------------------------------------------------------------------
 
 
-def _sampling(algo: PPOConfig | GRPOConfig, tokenizer: Tokenizer) -> SamplingParams:
-    stop = (tokenizer.eos_id,) if algo.rollout.stop_at_eos and tokenizer.eos_id is not None else ()
-    return SamplingParams(
-        temperature=algo.rollout.temperature,
-        top_k=algo.rollout.top_k,
-        top_p=algo.rollout.top_p,
-        max_new_tokens=algo.rollout.max_new_tokens,
-        stop_token_ids=stop,
-        n=algo.rollout.num_samples,
-        pad_token_id=tokenizer.pad_id,
-        return_model_logprobs=True,
-    )
-
-
 def _value_params(cfg: RunConfig, programs: RLPrograms, policy_params: Any) -> Any:
     """The critic's initial parameters: the policy's (or the reward model's) decoder with a
     zero value head."""
@@ -465,7 +460,7 @@ def build_rl_trainer(
     if layout is None:
         layout = validate(
             cfg,
-            train_devices=None if mesh is None else mesh.size,
+            mesh=mesh,
             source=source,
             override_paths=override_paths,
         )
@@ -481,15 +476,16 @@ def build_rl_trainer(
         rm_cfg = _reward_model(cfg, source)
     else:
         reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
-    if cfg.data.train.startswith(BUILTIN_PREFIX):
-        task_fn = resolve_reward_fn("builtin", cfg.data.train)
+    if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
+        task_fn = reward_fn if algo.reward.function == "builtin" else None
+        task_fn = task_fn or resolve_reward_fn("builtin", cfg.data.train)
     programs = build_rl_programs(
         cfg,
         layout,
         model_with_tokenizer_ids(cfg, layout.model, tokenizer),
         mesh,
         generate_mesh(cfg.placement, mesh),
-        _sampling(algo, tokenizer),
+        sampling_params(algo, tokenizer.eos_id, tokenizer.pad_id),
         reward_model=rm_cfg,
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
@@ -499,7 +495,6 @@ def build_rl_trainer(
         rm_params = _reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
     return RLTrainer(
         cfg=cfg,
-        layout=layout,
         programs=programs,
         tokenizer=tokenizer,
         prompts=BatchIterator(

@@ -111,7 +111,9 @@ class Learner:
 
     Attributes:
       objective: loss and weight of a micro-batch.
-      module: the Linen module (sharded under the train rules, or plain without a mesh).
+      module: the model as the objective's loss applies it (its first argument): a Linen
+        module (sharded under the train rules, or plain without a mesh), or for the RL
+        learners a ``models.scoring.RolloutForward``.
       optimizer, lr_fn: its optax transform and schedule.
       rules: its train rule set (None without a mesh).
       grad_shardings: gradient (= param) shardings (None without a mesh).

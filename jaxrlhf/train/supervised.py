@@ -352,7 +352,7 @@ def build_supervised_trainer(
     if layout is None:
         layout = validate(
             cfg,
-            train_devices=None if mesh is None else mesh.size,
+            mesh=mesh,
             source=source,
             override_paths=override_paths,
         )

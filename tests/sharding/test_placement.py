@@ -5,10 +5,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxrlhf.platform import check_cpu_devices, set_cpu_devices
+from jaxrlhf.platform import set_cpu_devices
 from jaxrlhf.sharding import MeshConfig, MeshError
 from jaxrlhf.sharding.placement import (
     PlacementConfig,
+    check_cpu_devices,
     generate_mesh,
     generate_shards,
     given_mesh,

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf.config import load_config
+from jaxrlhf.config import load_config, validate
 from jaxrlhf.data import eval_batches
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.train import loop
@@ -29,7 +29,9 @@ def _first_last(result, key):
 
 def _check_run_dir(result, cfg):
     run_dir = result.run_dir
-    assert load_config(os.path.join(run_dir, loop.CONFIG_FILE)) == cfg
+    saved = load_config(os.path.join(run_dir, loop.CONFIG_FILE))
+    assert saved == cfg
+    validate(saved, 8)  # and it validates for the devices it ran on
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert rows == result.history

@@ -570,3 +570,64 @@ def test_score_micro_batches_equal_one_scoring_forward(fast_compile, tmp_path, c
     for m in (4, 2):
         _assert_same_iteration(out[None], out[m], rollout, keys)
         np.testing.assert_allclose(rm_scores[m], rm_scores[None], atol=1e-5)
+
+
+SEEN = []
+
+
+def recording_reward(prompts, completions, *, answer, prompt_ids, completion_ids, **columns):
+    """Records what it was given; scores by the built-in grade so the run learns as usual."""
+    SEEN.append((list(prompts), list(completions), list(answer), prompt_ids, completion_ids))
+    return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_reward_function_gets_each_rows_own_record(fast_compile, tmp_path, dynamic):
+    """Shuffled prompts, 4 samples each (and dynamic sampling's refills): every row's
+    ``answer`` is its own prompt's, and the ids decode to the texts it was given."""
+    from jaxrlhf.data.tasks import sort_answer
+
+    SEEN.clear()
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        f"grpo.reward.function={__name__}.recording_reward",
+        f"grpo.dynamic_sampling={str(dynamic).lower()}",
+        "grpo.max_refills=1",
+    )
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    for _ in range(2):
+        trainer.step()
+    assert len(SEEN) >= 2
+    tok = trainer.tokenizer
+    for prompts, completions, answers, prompt_ids, completion_ids in SEEN:
+        assert len(prompts) == 16 and [sort_answer(p) for p in prompts] == answers
+        assert [tok.decode(i) for i in prompt_ids] == prompts
+        assert [tok.decode(i) for i in completion_ids] == completions
+        assert all(prompts[i] == prompts[i - i % 4] for i in range(16))  # groups of 4
+
+
+def test_progress_lines_follow_log_every_while_every_iteration_is_logged(tmp_path, capsys):
+    from jaxrlhf.train import loop
+
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        "train.steps=4",
+        "train.log_every=2",
+        "logging.progress=plain",
+        "logging.plot=false",
+        "checkpoint.export_hf=false",
+    )
+    result = loop.run(cfg, mesh=_one_device_mesh(), source=src)
+    assert [r["step"] for r in result.history] == [1, 2, 3, 4]  # metrics.jsonl: every one
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "reward/mean" in ln]
+    assert len(lines) == 2, lines  # progress: steps 2 and 4
+
+
+def test_a_checkpoint_without_a_metric_window_resumes():
+    """RL checkpoints of the previous layout saved only ``skip_run``: an empty window."""
+    from jaxrlhf.train.loop import _Window
+
+    window = _Window.from_meta({"step": 3, "skip_run": 1})
+    assert (window.running, window.count, window.skip_run) == (None, 0, 1)

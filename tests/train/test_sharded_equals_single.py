@@ -91,3 +91,12 @@ def test_sharded_step_equals_single_device(name, tmp_path):
     q = many.state.params["decoder"]["layers"]["attn"]["q_kernel"]
     assert "fsdp" in str(q.sharding.spec)
     assert len(q.addressable_shards) == 8 and q.addressable_shards[0].data.size < q.size
+
+
+def test_a_mesh_passed_in_decides_the_micro_batches(tmp_path):
+    """``build_trainer(cfg, mesh=...)``: the sizes come from the mesh passed in, not from
+    ``cfg.mesh`` over as many devices. 16 rows, micro_batch_size 2: a (2, 2, 2) mesh has 4
+    data shards, so 16 / (2 x 4) = 2 micro-batches (cfg.mesh fsdp=-1 over 8 would give 1)."""
+    cfg = config("tiny_sft", tmp_path, *COMMON, "train.micro_batch_size=2")
+    trainer = loop.build_trainer(cfg, mesh=mesh(2, 2, 2))
+    assert trainer.num_micro == 2 and trainer.layout.mesh_shape == (2, 2, 2)
