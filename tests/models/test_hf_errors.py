@@ -90,12 +90,12 @@ def test_missing_and_extra_tensors(llama_dir):
 
 def test_unsupported_architecture(llama_dir):
     cfg = json.load(open(llama_dir / "config.json"))
-    cfg["model_type"] = "mixtral"
+    cfg["model_type"] = "deepseek_v3"
     (llama_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as e:
         load_hf(str(llama_dir))
     msg = _one_line(e)
-    assert "model_type 'mixtral' is not supported" in msg and "config.json" in msg
+    assert "model_type 'deepseek_v3' is not supported" in msg and "config.json" in msg
 
 
 @pytest.mark.parametrize(
