@@ -15,7 +15,6 @@ between devices.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrlhf.models import axes
+from jaxrlhf.models import axes, moe
 from jaxrlhf.sharding.rules import Rules, activation_sharding
 from jaxrlhf.train.state import TrainState
 
@@ -125,6 +124,19 @@ def map_micro(
     return jax.tree.map(lambda x: merge_micro(x, group_size), out)
 
 
+def _with_router_loss(loss_fn: LossFn, module: Any) -> Callable[[Any, Batch], Any]:
+    """MoE hook (jaxrlhf/models/moe.py): ``loss_fn`` plus ``router_aux_loss_coef`` times the
+    router's load-balancing loss, and router metrics (per-expert load); unchanged for dense
+    models, whose forwards capture nothing."""
+
+    def wrapped(params: Any, batch: Batch) -> tuple[jax.Array, Metrics]:
+        with moe.capture_router_logits() as routed:
+            loss, metrics = loss_fn(module, params, batch)
+        return moe.add_router_loss(module.cfg, loss, metrics, routed)
+
+    return wrapped
+
+
 def accumulate_gradients(
     objective: Objective,
     module: Any,
@@ -142,7 +154,8 @@ def accumulate_gradients(
     Gradients are accumulated in float32 and kept in the params' shardings. Micro-batches
     take whole groups of ``group_size`` rows (:func:`split_micro`).
     """
-    grad_fn = jax.value_and_grad(functools.partial(objective.loss_fn, module), has_aux=True)
+    loss_fn = _with_router_loss(objective.loss_fn, module)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_micro == 1:
         (_, metrics), grads = grad_fn(params, batch)
         return grads, metrics
@@ -159,7 +172,7 @@ def accumulate_gradients(
         ), None
 
     abstract_metrics = jax.eval_shape(
-        lambda p, b: objective.loss_fn(module, p, b)[1],
+        lambda p, b: loss_fn(p, b)[1],
         params,
         jax.tree.map(lambda x: x[0], micro),
     )
