@@ -564,43 +564,50 @@ class ModelConfig:
         )
 
     @classmethod
+    def _gemma(cls, fields: dict[str, Any], every: int) -> ModelConfig:
+        """A Gemma 2/3 preset whose layer pattern (every ``every``-th layer full) follows its
+        ``num_layers`` unless ``layer_types`` is given."""
+        fields.setdefault("layer_types", alternating_layers(fields["num_layers"], every))
+        return cls(**fields)
+
+    @classmethod
     def gemma2_2b(cls, **overrides: Any) -> ModelConfig:
         """Gemma-2-2B (google/gemma-2-2b config.json)."""
-        return cls(
-            **_GEMMA2
+        return cls._gemma(
+            _GEMMA2
             | dict(
                 hidden_size=2304,
                 intermediate_size=9216,
                 num_layers=26,
                 num_heads=8,
                 num_kv_heads=4,
-                layer_types=alternating_layers(26, 2),
             )
-            | overrides
+            | overrides,
+            every=2,
         )
 
     @classmethod
     def gemma2_9b(cls, **overrides: Any) -> ModelConfig:
         """Gemma-2-9B (google/gemma-2-9b config.json)."""
-        return cls(
-            **_GEMMA2
+        return cls._gemma(
+            _GEMMA2
             | dict(
                 hidden_size=3584,
                 intermediate_size=14336,
                 num_layers=42,
                 num_heads=16,
                 num_kv_heads=8,
-                layer_types=alternating_layers(42, 2),
             )
-            | overrides
+            | overrides,
+            every=2,
         )
 
     @classmethod
     def gemma3_1b(cls, **overrides: Any) -> ModelConfig:
         """Gemma-3-1B (google/gemma-3-1b-pt config.json, text only): 5 sliding layers of
         512 tokens (RoPE base 10k) per full layer (RoPE base 1M)."""
-        return cls(
-            **_GEMMA3
+        return cls._gemma(
+            _GEMMA3
             | dict(
                 vocab_size=262144,
                 hidden_size=1152,
@@ -610,17 +617,17 @@ class ModelConfig:
                 num_kv_heads=1,
                 max_position_embeddings=32768,
                 sliding_window=512,
-                layer_types=alternating_layers(26, 6),
             )
-            | overrides
+            | overrides,
+            every=6,
         )
 
     @classmethod
     def gemma3_4b(cls, **overrides: Any) -> ModelConfig:
         """The language model of Gemma-3-4B (google/gemma-3-4b-pt ``text_config``): as
         gemma3_1b with 1024-token windows and the full layers' RoPE scaled linearly by 8."""
-        return cls(
-            **_GEMMA3
+        return cls._gemma(
+            _GEMMA3
             | dict(
                 vocab_size=262208,
                 hidden_size=2560,
@@ -630,10 +637,10 @@ class ModelConfig:
                 num_kv_heads=4,
                 max_position_embeddings=131072,
                 sliding_window=1024,
-                layer_types=alternating_layers(34, 6),
                 rope_scaling=RopeScaling(type="linear", factor=8.0),
             )
-            | overrides
+            | overrides,
+            every=6,
         )
 
     @classmethod

@@ -7,9 +7,14 @@ which makes a token's output depend on the other tokens in the batch. RL needs t
 log-probs (one new token per row per step) to equal the trainer's (whole sequences): with
 dropping they would not, and a checkpoint's logits would not equal transformers' either.
 So the (token, expert) pairs are sorted by expert and each expert multiplies its contiguous
-rows with ``jax.lax.ragged_dot`` (a grouped matmul: TPU and GPU run it as one kernel; XLA:CPU
-expands it into a masked dense matmul over all experts, fine for the tiny test models). No
-compute or memory is reserved for capacity: the rows are exactly ``tokens * k``.
+rows with a grouped matmul (:func:`grouped_matmul`): ``jax.lax.ragged_dot``, one XLA
+ragged-dot instruction on TPU and GPU. No compute or memory is reserved for capacity: the
+rows are exactly ``tokens * k``. XLA:CPU has no ragged dot (jax expands it there into one
+dense matmul over a copy of the rows per expert: E times the rows' memory), so on CPU every
+expert multiplies every row of a bounded chunk and a mask keeps its own (:func:`_masked_dense`):
+E times the compute, which the tiny CPU models do not notice, and memory near the output's,
+so that the dry run's XLA:CPU plans of MoE models (jaxrlhf/train/dry_run.py compiles on CPU
+devices) stay close to the accelerator program.
 
 Expert parallelism: expert kernels carry the ``expert`` logical axis
 (``jaxrlhf.models.axes.EXPERT``), which the rule sets map to a mesh axis. Under that
@@ -34,6 +39,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models.config import ModelConfig
@@ -61,6 +67,78 @@ def route(
     return weights, experts
 
 
+def grouped_matmul(
+    x: Float[Array, "M K"], w: Float[Array, "E K N"], sizes: Int[Array, " E"]
+) -> Float[Array, "M N"]:
+    """Row ``r`` of ``x`` times ``w[e]``, where rows are grouped by ``e`` in order: group
+    ``e`` is the next ``sizes[e]`` rows (rows past ``sum(sizes)`` give 0). The same as
+    ``jax.lax.ragged_dot(x, w, sizes)``, which runs it everywhere but on CPU (module
+    docstring)."""
+    return jax.lax.platform_dependent(x, w, sizes, cpu=_masked_dense, default=jax.lax.ragged_dot)
+
+
+# CPU form: elements of one chunk's [E, rows, N] product (2**26: 256 MiB in float32).
+_CPU_CHUNK_ELEMENTS = 2**26
+
+
+def _chunks(x: jax.Array, num_experts: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """``x`` [M, K] as row chunks [C, chunk, K] (zero-padded) and their row ids."""
+    num_rows = x.shape[0]
+    chunk = int(min(num_rows, max(16, _CPU_CHUNK_ELEMENTS // (num_experts * n))))
+    count = -(-num_rows // chunk)
+    padded = jnp.pad(x, ((0, count * chunk - num_rows), (0, 0)))
+    return padded.reshape(count, chunk, -1), jnp.arange(count * chunk).reshape(count, chunk)
+
+
+def _owned(sizes: jax.Array, ids: jax.Array) -> jax.Array:
+    """[E, chunk] bool: which expert's group each row id belongs to."""
+    ends = jnp.cumsum(sizes)[:, None]
+    return (ids[None] >= ends - sizes[:, None]) & (ids[None] < ends)
+
+
+@jax.custom_vjp
+def _masked_dense(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """:func:`grouped_matmul` on CPU: every expert multiplies every row of a chunk and a mask
+    keeps its own rows; a scan over row chunks bounds the [E, rows, N] product. An einsum
+    over the expert axis, so that with experts split over devices each device multiplies by
+    its own experts and the sum over experts is one reduction (as the accelerators' ragged
+    dot is partitioned), instead of gathering every expert's weights. Its VJP recomputes the
+    masks per chunk rather than keeping them (autodiff kept a [E, rows, N] mask per chunk)."""
+    chunks, ids = _chunks(x, w.shape[0], w.shape[-1])
+
+    def one_chunk(_, inputs):
+        rows, row_ids = inputs
+        product = jnp.einsum("ck,ekn->ecn", rows, w)
+        return None, jnp.where(_owned(sizes, row_ids)[..., None], product, 0).sum(0)
+
+    _, out = jax.lax.scan(one_chunk, None, (chunks, ids))
+    return out.reshape(-1, w.shape[-1])[: x.shape[0]].astype(jnp.result_type(x, w))
+
+
+def _masked_dense_fwd(x, w, sizes):
+    return _masked_dense(x, w, sizes), (x, w, sizes)
+
+
+def _masked_dense_bwd(residuals, grad):
+    x, w, sizes = residuals
+    chunks, ids = _chunks(x, w.shape[0], w.shape[-1])
+    grads = jnp.pad(grad, ((0, chunks.shape[0] * chunks.shape[1] - x.shape[0]), (0, 0)))
+    grads = grads.reshape(chunks.shape[0], chunks.shape[1], -1)
+
+    def one_chunk(dw, inputs):
+        rows, g, row_ids = inputs
+        routed = jnp.where(_owned(sizes, row_ids)[..., None], g[None], 0)  # [E, chunk, N]
+        dw = dw + jnp.einsum("ck,ecn->ekn", rows, routed, preferred_element_type=jnp.float32)
+        return dw, jnp.einsum("ecn,ekn->ck", routed, w)
+
+    dw, dx = jax.lax.scan(one_chunk, jnp.zeros(w.shape, jnp.float32), (chunks, grads, ids))
+    dx = dx.reshape(-1, x.shape[-1])[: x.shape[0]].astype(x.dtype)
+    return dx, dw.astype(w.dtype), np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+_masked_dense.defvjp(_masked_dense_fwd, _masked_dense_bwd)
+
+
 def expert_mlp(
     x: Float[Array, "M D"],
     weights: Float[Array, "M k"],
@@ -74,8 +152,8 @@ def expert_mlp(
     ``FFN_e(x) = (act(x W_gate[e]) * (x W_up[e])) W_down[e]``, dropless (module docstring).
 
     The M * k (token, expert) pairs are sorted by expert (stable, so each expert's rows keep
-    token order), multiplied by :func:`jax.lax.ragged_dot` with per-expert group sizes and
-    put back in pair order.
+    token order), multiplied by :func:`grouped_matmul` with per-expert group sizes and put
+    back in pair order.
     """
     num_tokens, k = experts.shape
     num_experts = gate_kernel.shape[0]
@@ -83,9 +161,9 @@ def expert_mlp(
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // k]  # [M*k, D]
-    gate = jax.lax.ragged_dot(rows, gate_kernel, sizes)
-    up = jax.lax.ragged_dot(rows, up_kernel, sizes)
-    out = jax.lax.ragged_dot(activation(gate) * up, down_kernel, sizes)  # [M*k, D]
+    gate = grouped_matmul(rows, gate_kernel, sizes)
+    up = grouped_matmul(rows, up_kernel, sizes)
+    out = grouped_matmul(activation(gate) * up, down_kernel, sizes)  # [M*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     out = out[inverse].reshape(num_tokens, k, -1)
     return (out * weights[..., None].astype(out.dtype)).sum(axis=1)

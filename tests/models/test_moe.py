@@ -9,6 +9,8 @@ logits of the second layer pass through the first: model-level rounding, observe
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,31 @@ def test_route_equals_numpy(normalize):
         expected = expected / expected.sum(-1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(experts), order)
     np.testing.assert_allclose(np.asarray(weights), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_elements", [2**26, 1000])
+def test_grouped_matmul_and_its_gradient_equal_ragged_dot(chunk_elements, monkeypatch):
+    """The CPU form (chunked masked einsum, its own VJP) against jax.lax.ragged_dot's own
+    implementation, value and gradients, with an empty group and rows past the groups (zero
+    output); 1000 elements per chunk makes 16-row chunks (the last one padded)."""
+    monkeypatch.setattr(moe, "_CPU_CHUNK_ELEMENTS", chunk_elements)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((70, 12)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((5, 12, 9)), jnp.float32)
+    sizes = jnp.asarray([20, 0, 31, 11, 5], jnp.int32)  # 67 of 70 rows
+    cotangent = jnp.asarray(rng.standard_normal((70, 9)), jnp.float32)
+
+    def loss(fn, x, w):
+        return (fn(x, w, sizes) * cotangent).sum()
+
+    got = moe.grouped_matmul(x, w, sizes)
+    want = jax.lax.ragged_dot(x, w, sizes)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert not np.asarray(got[67:]).any()
+    got_grads = jax.grad(functools.partial(loss, moe.grouped_matmul), argnums=(0, 1))(x, w)
+    want_grads = jax.grad(functools.partial(loss, jax.lax.ragged_dot), argnums=(0, 1))(x, w)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 def test_expert_mlp_equals_a_loop_over_tokens():
