@@ -98,9 +98,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     scale_embeddings: bool = False  # Gemma: multiply embeddings by sqrt(D)
     sliding_window: int | None = None  # keys at most this many positions back (sliding layers)
-    # Which layers slide, one of LAYER_TYPES per layer (Gemma 2/3 alternate, Qwen2/3 slide from
-    # max_window_layers on). None: every layer slides when sliding_window is set (Mistral).
-    layer_types: tuple[str, ...] | None = None
+    # Gemma 2/3 alternate sliding and full layers; Qwen2/3 slide from max_window_layers on.
+    layer_types: tuple[str, ...] | None = None  # per layer, a LAYER_TYPES; None: all alike
     qk_norm: bool = False  # Qwen3, Gemma 3: a norm over head_dim on queries and keys
     post_norms: bool = False  # Gemma 2/3: norms on the attention and MLP outputs as well
     query_pre_attn_scalar: float | None = None  # scores scaled by this**-0.5 (None: head_dim)
@@ -109,8 +108,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: RoPE base of sliding layers (no scaling)
     partial_rotary_factor: float = 1.0  # RoPE rotates this fraction of each head's dims
 
-    # Mixture of experts (num_experts > 0 replaces every layer's MLP; see models/moe.py).
-    num_experts: int = 0
+    num_experts: int = 0  # experts replacing every layer's MLP (models/moe.py); 0: dense
     num_experts_per_tok: int = 2  # k of the top-k router
     moe_intermediate_size: int | None = None  # each expert's F (None: intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
