@@ -14,7 +14,8 @@ import logging
 import os
 from typing import Any
 
-from jaxrlhf.models.config import LAYER_TYPES, ModelConfig, RopeScaling, alternating_layers
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.families import FAMILY_TRAITS, LAYER_TYPES, RopeScaling, alternating_layers
 from jaxrlhf.models.safetensors_io import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -372,9 +373,7 @@ def from_hf_config(
         ours: hf[theirs] for theirs, ours in mapping.items() if hf.get(theirs) is not None
     }
     fields.setdefault("tie_embeddings", family in ("gemma", "gemma2", "gemma3", "gpt2"))
-    from jaxrlhf.models.config import _FAMILY_TRAITS  # family traits are config-internal
-
-    traits = dict(_FAMILY_TRAITS[family])
+    traits = dict(FAMILY_TRAITS[family])
     if family == "gpt2":
         fields.setdefault("intermediate_size", 4 * fields["hidden_size"])
     else:
