@@ -180,7 +180,7 @@ _SLIDING_FAMILIES = (
 
 
 def _rope(
-    params: dict[str, Any], default_theta: float = 10000.0
+    params: dict[str, Any], default_theta: float, source: str
 ) -> tuple[float, RopeScaling | None]:
     """``(theta, scaling)`` of one transformers rope-parameters dict."""
     params = dict(params)
@@ -190,7 +190,7 @@ def _rope(
         return float(theta), None
     if kind not in ("linear", "llama3"):
         raise UnsupportedConfigError(
-            f"rope type {kind!r} is not supported (supported: default, linear, llama3)"
+            f"{source}: rope type {kind!r} is not supported (supported: default, linear, llama3)"
         )
     extra = {
         k: params[k]
@@ -207,7 +207,7 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
     default_theta = 1000000.0 if family == "gemma3" else 10000.0
     out: dict[str, Any] = {}
     if family == "gemma3" and "full_attention" in params:  # one dict per layer type
-        local_theta, local_scaling = _rope(params.get("sliding_attention") or {}, 10000.0)
+        local_theta, local_scaling = _rope(params.get("sliding_attention") or {}, 10000.0, source)
         if local_scaling is not None:
             raise UnsupportedConfigError(
                 f"{source}: RoPE scaling on gemma3 sliding layers is not supported"
@@ -221,7 +221,7 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
         params = {**legacy, **params}  # rope_type / factor from the legacy rope_scaling
     params.setdefault("rope_theta", hf.get("rope_theta", default_theta))
     out["rope_theta"], out["rope_scaling"] = _rope(
-        {k: v for k, v in params.items() if k != "partial_rotary_factor"}, default_theta
+        {k: v for k, v in params.items() if k != "partial_rotary_factor"}, default_theta, source
     )
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     out["partial_rotary_factor"] = float(factor if factor is not None else 1.0)
