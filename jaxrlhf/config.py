@@ -81,6 +81,19 @@ PRESETS = (
     "qwen2_5_1_5b",
     "gemma_2b",
     "gpt2",
+    "llama3_2_1b",
+    "llama3_2_3b",
+    "qwen3_0_6b",
+    "qwen3_1_7b",
+    "qwen3_4b",
+    "qwen3_8b",
+    "qwen3_30b_a3b",
+    "mixtral_8x7b",
+    "gemma2_2b",
+    "gemma2_9b",
+    "gemma3_1b",
+    "gemma3_4b",
+    "phi3_mini_4k",
 )
 
 

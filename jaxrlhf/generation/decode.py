@@ -12,8 +12,10 @@ gate/up are not fused), its embedding, tied head and RoPE and the parameter name
 attention block and the matmuls are re-expressed, because the model's attention reads its
 ``[L, B, S, K, H]`` cache through a layer scan that copies and transposes the cache on every
 step (see the cache module docstring).
-tests/generation/test_decode.py checks decode logits against ``models.model.forward`` for
-every family.
+Per-layer differences (sliding or full attention, Gemma 3's RoPE base per layer type) are
+static here: the loop is Python, one traced block per layer. MoE layers run the model's own
+``MoeMlp``. tests/generation/test_decode.py checks decode logits against
+``models.model.forward`` for every family.
 
 Attention of a decode query at position ``q`` sees a prompt slot that holds a real token at
 position ``p <= q`` and every generated slot up to its own; with a sliding window ``W`` only
@@ -32,10 +34,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation.cache import DecodeCache
 from jaxrlhf.models import axes
-from jaxrlhf.models.attention import causal_mask, positions_from_mask, rope_inverse_frequencies
+from jaxrlhf.models.attention import (
+    layer_masks,
+    positions_from_mask,
+    rope_inverse_frequencies,
+    rotate,
+    softcap,
+)
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.model import init_cache, last_token_index
-from jaxrlhf.models.transformer import ACTIVATIONS, Constrain, Decoder, Mlp, Norm
+from jaxrlhf.models.transformer import ACTIVATIONS, Constrain, Decoder, Mlp, MoeMlp, Norm
 
 Params = Any
 _MASKED = jnp.finfo(jnp.float32).min  # finite, as in models/attention.py
@@ -51,7 +59,7 @@ def lm_head(
         logits = decoder.attend(hidden)
     else:
         logits = blocked_matmul(hidden, kernel.astype(cfg.compute_dtype))
-    return logits.astype(jnp.float32)
+    return softcap(logits.astype(jnp.float32), cfg.final_logit_softcap)
 
 
 def prefill(
@@ -77,7 +85,7 @@ def prefill(
     batch, length = tokens.shape
     positions = positions_from_mask(mask)
     decoder = Decoder(cfg, constrain).bind({"params": params["decoder"]})
-    attn_mask = causal_mask(mask, length, 0, cfg.sliding_window)
+    attn_mask = layer_masks(cfg, mask, length)
     model_cache = init_cache(cfg, batch, length)
     hidden, model_cache = decoder(tokens, positions, attn_mask, model_cache, jnp.asarray(0))
     last = jnp.take_along_axis(hidden, last_token_index(mask)[:, None, None], axis=1)[:, 0]
@@ -172,6 +180,8 @@ def _fuse(layer: Params, shards: dict[str, int | None]) -> Params:
     ``shards`` entry is None keeps its kernels apart."""
     layer = dict(layer)
     for block, (fused, names) in _FUSED.items():
+        if block not in layer:  # an MoE layer has experts, not "mlp"
+            continue
         p = dict(layer[block])
         if shards.get(block) is None or f"{names[0]}_kernel" not in p:  # (ungated MLP)
             continue
@@ -237,8 +247,10 @@ def blocked_matmul(x: Float[Array, "R K"], kernel: jax.Array) -> Float[Array, "R
 def _to_blocks(layer: Params, shards: dict[str, int | None], block: int) -> Params:
     """One layer (after :func:`_fuse`) with its fused kernels (``[S, M / b, D, b]``),
     ``o_kernel`` and, next to a fused gate/up, ``down_kernel`` as :func:`_blocks`."""
-    layer = {**layer, "attn": dict(layer["attn"]), "mlp": dict(layer["mlp"])}
+    layer = {**layer, "attn": dict(layer["attn"]), "mlp": dict(layer.get("mlp", {}))}
     attn, mlp = layer["attn"], layer["mlp"]
+    if "moe" in layer:
+        del layer["mlp"]
     for p, fused, name in ((attn, "qkv", "attn"), (mlp, "gate_up", "mlp")):
         if f"{fused}_kernel" in p:
             kernel = p[f"{fused}_kernel"]
@@ -291,6 +303,8 @@ def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | 
     }
     if cfg.gated_mlp:
         shapes["mlp"]["gate_kernel"] = (layers_n, d, f)
+    if cfg.num_experts:  # experts are not fused or blocked
+        del shapes["mlp"]
 
     def output_split(sharding: Any, shape: tuple[int, ...], axis: int) -> int:
         return shape[axis] // sharding.shard_shape(shape)[axis]
@@ -306,7 +320,10 @@ def fused_shards(cfg: ModelConfig, shardings: Params | None) -> dict[str, int | 
                 counts.add(output_split(sharding, shape, axis=2))  # heads / MLP units
         out[block] = counts.pop() if len(counts) == 1 else None
     out["o"] = output_split(layers["attn"]["o_kernel"], (layers_n, cfg.num_heads, h, d), axis=3)
-    out["down"] = output_split(layers["mlp"]["down_kernel"], (layers_n, f, d), axis=2)
+    out["mlp"] = out.get("mlp")
+    out["down"] = None
+    if not cfg.num_experts:
+        out["down"] = output_split(layers["mlp"]["down_kernel"], (layers_n, f, d), axis=2)
     if cfg.tie_embeddings:
         embedding = shardings["decoder"]["embed"]["embedding"]
         out["head"] = output_split(embedding, (cfg.vocab_size, d), axis=0)
@@ -328,16 +345,16 @@ def _project(
     return out
 
 
-def _rope_tables(cfg: ModelConfig, positions: Int[Array, " R"]) -> tuple[jax.Array, jax.Array]:
+def _rope_tables(
+    cfg: ModelConfig, positions: Int[Array, " R"], inv_freq: np.ndarray
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin [R, 1, 1, H/2] of each row's position, computed once per decode step.
 
     ``models.attention.apply_rope`` computes them inside every call; in the decode loop XLA
     then fuses the cos/sin into each layer's and head's consumer and evaluates them again
     for every element (measured: ~7% of a bench-M step). The barrier makes them one array.
     """
-    angles = positions.astype(jnp.float32)[:, None, None] * jnp.asarray(
-        rope_inverse_frequencies(cfg)
-    )
+    angles = positions.astype(jnp.float32)[:, None, None] * jnp.asarray(inv_freq)
     dtype = cfg.compute_dtype
     tables = (
         jnp.cos(angles)[:, :, None, :].astype(dtype),
@@ -346,11 +363,21 @@ def _rope_tables(cfg: ModelConfig, positions: Int[Array, " R"]) -> tuple[jax.Arr
     return jax.lax.optimization_barrier(tables)
 
 
-def _rotate(x: Float[Array, "R 1 N H"], tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """RoPE, the same arithmetic as ``models.attention.apply_rope``, from precomputed tables."""
-    cos, sin = tables
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def _layer_ropes(
+    cfg: ModelConfig, positions: Int[Array, " R"]
+) -> list[tuple[jax.Array, jax.Array] | None]:
+    """Each layer's :func:`_rope_tables` (computed once per distinct frequency table: Gemma
+    3's sliding and full layers have two), None per layer without RoPE."""
+    if cfg.position_embedding != "rope":
+        return [None] * cfg.num_layers
+    tables: dict[bytes, tuple[jax.Array, jax.Array]] = {}
+    out = []
+    for i in range(cfg.num_layers):
+        inv_freq = rope_inverse_frequencies(cfg, i)
+        if inv_freq.tobytes() not in tables:
+            tables[inv_freq.tobytes()] = _rope_tables(cfg, positions, inv_freq)
+        out.append(tables[inv_freq.tobytes()])
+    return out
 
 
 def _group(x: jax.Array, groups: int, n: int) -> jax.Array:
@@ -366,7 +393,7 @@ def _ungroup(x: jax.Array, n: int) -> jax.Array:
     return x.reshape(groups, k, n, g, last).transpose(0, 2, 1, 3, 4).reshape(groups * n, k, g, last)
 
 
-def _attend_shared(q, layer, prefix_ok, generated_ok, scale):
+def _attend_shared(q, layer, prefix_ok, generated_ok, scale, cap):
     """Attention over a shared prompt prefix plus per-sample generated slots (n > 1)."""
     prefix_k, prefix_v, gen_k, gen_v = layer
     rows, groups = q.shape[0], prefix_k.shape[0]
@@ -378,11 +405,11 @@ def _attend_shared(q, layer, prefix_ok, generated_ok, scale):
         prefix_k.astype(dtype),
         preferred_element_type=jnp.float32,
     )  # [B, K, n*G, P]: the n samples of a group as n*G query rows of one matmul
-    scores_prefix = jnp.where(prefix_ok, scores_prefix * scale, _MASKED)
+    scores_prefix = jnp.where(prefix_ok, softcap(scores_prefix * scale, cap), _MASKED)
     scores_gen = jnp.einsum(
         "RKGH,RKHT->RKGT", q, gen_k.astype(dtype), preferred_element_type=jnp.float32
     )
-    scores_gen = jnp.where(generated_ok, scores_gen * scale, _MASKED)
+    scores_gen = jnp.where(generated_ok, softcap(scores_gen * scale, cap), _MASKED)
     scores = jnp.concatenate([_ungroup(scores_prefix, n), scores_gen], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     prompt_len = prefix_k.shape[-1]
@@ -393,11 +420,12 @@ def _attend_shared(q, layer, prefix_ok, generated_ok, scale):
     return _ungroup(out_prefix, n) + out_gen
 
 
-def _attend_joint(q, layer, ok, scale):
+def _attend_joint(q, layer, ok, scale, cap):
     """Attention over one per-row cache holding prompt and generated slots (n = 1)."""
     _, _, k, v = layer
     scores = jnp.einsum("RKGH,RKHS->RKGS", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(jnp.where(ok, scores * scale, _MASKED), axis=-1).astype(q.dtype)
+    scores = jnp.where(ok, softcap(scores * scale, cap), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("RKGS,RKSH->RKGH", probs, v.astype(q.dtype))
 
 
@@ -422,8 +450,12 @@ def _attention(
     else:
         q, k, v = (_project(cfg, p, x, name) for name in ("q", "k", "v"))
     q, k, v = (constrain(y, names) for y in (q, k, v))
+    if cfg.qk_norm:
+        norm = Norm(cfg)
+        q = norm.apply({"params": p["q_norm"]}, q)
+        k = norm.apply({"params": p["k_norm"]}, k)
     if rope is not None:
-        q, k = _rotate(q, rope), _rotate(k, rope)
+        q, k = rotate(q, *rope), rotate(k, *rope)
     # Write this token's key/value into its slot (in place: the cache is the loop carry).
     gen_k = jax.lax.dynamic_update_slice(
         gen_k, k.transpose(0, 2, 3, 1).astype(gen_k.dtype), (0, 0, 0, slot)
@@ -433,10 +465,11 @@ def _attention(
     )
     q = q.reshape(rows, kv, n_heads // kv, h)  # [R, K, G, H]; query head n reads kv head n // G
     layer = (prefix_k, prefix_v, gen_k, gen_v)
+    scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
     if prefix_k is None:
-        out = _attend_joint(q, layer, *masks, scale=h**-0.5)
+        out = _attend_joint(q, layer, *masks, scale=scale, cap=cap)
     else:
-        out = _attend_shared(q, layer, *masks, scale=h**-0.5)
+        out = _attend_shared(q, layer, *masks, scale=scale, cap=cap)
     o_kernel = p["o_kernel"].astype(cfg.compute_dtype)  # [N*H, D] or its blocks
     out = blocked_matmul(out.reshape(rows, n_heads * h), o_kernel)[:, None, :]
     if cfg.out_bias:
@@ -455,6 +488,41 @@ def _fused_mlp(
     if cfg.mlp_bias:
         out = out + p["down_bias"].astype(cfg.compute_dtype)
     return out[:, None, :]
+
+
+def _step_masks(
+    cfg: ModelConfig,
+    cache: DecodeCache,
+    step: Int[Array, ""],
+    positions: Int[Array, " R"],
+    prefix_mask: Bool[Array, "B P"],
+    prefix_positions: Int[Array, "B P"],
+) -> tuple[dict[bool, tuple[jax.Array, ...]], Int[Array, ""]]:
+    """The attention masks of one decode step, ``{sliding: masks}`` for the layer kinds the
+    model has (windowed for sliding layers), and the slot this step writes.
+
+    Generated slot j holds this row's token j (the same for every row); prompt slots hold
+    real tokens where prefix_mask is True.
+    """
+    rows, groups = positions.shape[0], prefix_mask.shape[0]
+    n = rows // groups
+    num_gen = cache.k[0].shape[-1] - (0 if cache.shared_prefix else prefix_mask.shape[1])
+    gen_slots = jnp.arange(num_gen)
+    out = {}
+    for sliding in set(cfg.sliding_layers):
+        prefix_ok = prefix_mask
+        generated_ok = gen_slots <= step
+        if sliding:
+            q_pos = positions.reshape(groups, n)[:, :1]  # the samples of a group share positions
+            prefix_ok &= q_pos - prefix_positions < cfg.sliding_window
+            generated_ok &= step - gen_slots < cfg.sliding_window
+        if cache.shared_prefix:  # [B, 1, 1, P] and [T]
+            out[sliding] = (prefix_ok[:, None, None, :], generated_ok)
+        else:  # one [R, 1, 1, P + T] mask over the joint cache
+            ok = jnp.concatenate([prefix_ok, jnp.broadcast_to(generated_ok, (rows, num_gen))], 1)
+            out[sliding] = (ok[:, None, None, :],)
+    slot = step if cache.shared_prefix else prefix_mask.shape[1] + step
+    return out, slot
 
 
 def decode_step(
@@ -483,9 +551,6 @@ def decode_step(
     Returns:
       ``(logits [R, V] float32, cache with slot step written)``.
     """
-    rows = tokens.shape[0]
-    groups = prefix_mask.shape[0]
-    n = rows // groups
     decoder = Decoder(cfg, constrain).bind({"params": params["decoder"]})
     residual = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
     x = decoder.embed(tokens[:, None])
@@ -495,25 +560,9 @@ def decode_step(
         x = x + decoder.pos_embed(positions[:, None])
     x = constrain(x, residual)
 
-    # Masks, the same for every layer. Generated slot j holds this row's token j (the same
-    # for every row); prompt slots hold real tokens where prefix_mask is True.
-    num_gen = cache.k[0].shape[-1] - (0 if cache.shared_prefix else prefix_mask.shape[1])
-    gen_slots = jnp.arange(num_gen)
-    prefix_ok = prefix_mask
-    generated_ok = gen_slots <= step
-    if cfg.sliding_window is not None:
-        q_pos = positions.reshape(groups, n)[:, :1]  # the samples of a group share positions
-        prefix_ok &= q_pos - prefix_positions < cfg.sliding_window
-        generated_ok &= step - gen_slots < cfg.sliding_window
-    if cache.shared_prefix:  # [B, 1, 1, P] and [T]
-        masks, slot = (prefix_ok[:, None, None, :], generated_ok), step
-    else:  # one [R, 1, 1, P + T] mask over the joint cache
-        ok = jnp.concatenate([prefix_ok, jnp.broadcast_to(generated_ok, (rows, num_gen))], 1)
-        masks, slot = (ok[:, None, None, :],), prefix_mask.shape[1] + step
-
-    rope = _rope_tables(cfg, positions) if cfg.position_embedding == "rope" else None
+    masks, slot = _step_masks(cfg, cache, step, positions, prefix_mask, prefix_positions)
+    ropes = _layer_ropes(cfg, positions)
     norm = Norm(cfg)
-    mlp = Mlp(cfg, constrain)
     layers, head = weights
     new_k, new_v = [], []
     for i, p in enumerate(layers):
@@ -522,23 +571,23 @@ def decode_step(
         else:
             layer_cache = (None, None, cache.k[i], cache.v[i])
         h = norm.apply({"params": p["attn_norm"]}, x)
+        layer_masks_i = masks[cfg.sliding_layers[i]]
         attn_out, k, v = _attention(
-            cfg,
-            constrain,
-            p["attn"],
-            h,
-            rope,
-            layer_cache,
-            slot,
-            masks,
+            cfg, constrain, p["attn"], h, ropes[i], layer_cache, slot, layer_masks_i
         )
+        if cfg.post_norms:
+            attn_out = norm.apply({"params": p["post_attn_norm"]}, attn_out)
         x = constrain(x + attn_out, residual)
         h = norm.apply({"params": p["mlp_norm"]}, x)
-        if "gate_up_kernel" in p["mlp"]:
-            x = x + _fused_mlp(cfg, constrain, p["mlp"], h)
+        if "moe" in p:
+            mlp_out = MoeMlp(cfg, constrain).apply({"params": p["moe"]}, h)
+        elif "gate_up_kernel" in p["mlp"]:
+            mlp_out = _fused_mlp(cfg, constrain, p["mlp"], h)
         else:
-            x = x + mlp.apply({"params": p["mlp"]}, h)
-        x = constrain(x, residual)
+            mlp_out = Mlp(cfg, constrain).apply({"params": p["mlp"]}, h)
+        if cfg.post_norms:
+            mlp_out = norm.apply({"params": p["post_mlp_norm"]}, mlp_out)
+        x = constrain(x + mlp_out, residual)
         new_k.append(k)
         new_v.append(v)
     hidden = decoder.final_norm(x)[:, 0]

@@ -8,13 +8,15 @@ XLA implementation that works on every backend, including CPU.
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.config import ModelConfig, RopeScaling
 
 
 def causal_mask(
@@ -49,6 +51,33 @@ def causal_mask(
     return allowed[None] & key_mask[:, None, :].astype(bool)
 
 
+@flax.struct.dataclass
+class LayerMasks:
+    """The two attention masks of a model whose layers differ (``ModelConfig.layer_types``):
+    ``full`` for full-attention layers, ``sliding`` (windowed) for sliding ones. Either may
+    be a ``[B, T, S]`` bool mask or a :class:`~jaxrlhf.models.shared_prefix.SharedPrefixMask`."""
+
+    full: Any
+    sliding: Any
+
+
+def layer_masks(
+    cfg: ModelConfig,
+    key_mask: Bool[Array, "B S"],
+    query_len: int,
+    query_offset: Int[Array, ""] | int = 0,
+) -> Bool[Array, "B T S"] | LayerMasks:
+    """:func:`causal_mask` for every layer of ``cfg``: one mask when all layers attend alike
+    (windowed or not), :class:`LayerMasks` when sliding and full layers mix."""
+    sliding = set(cfg.sliding_layers)
+    if sliding == {False}:
+        return causal_mask(key_mask, query_len, query_offset)
+    windowed = causal_mask(key_mask, query_len, query_offset, cfg.sliding_window)
+    if sliding == {True}:
+        return windowed
+    return LayerMasks(full=causal_mask(key_mask, query_len, query_offset), sliding=windowed)
+
+
 def positions_from_mask(mask: Bool[Array, "B T"]) -> Int[Array, "B T"]:
     """Position ids counting real tokens only: 0 at each row's first real token.
 
@@ -59,14 +88,25 @@ def positions_from_mask(mask: Bool[Array, "B T"]) -> Int[Array, "B T"]:
     return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[H/2] inverse frequencies θ_i = theta^(-2i/H), with the configured scaling applied.
+def rope_inverse_frequencies(cfg: ModelConfig, layer: int | None = None) -> np.ndarray:
+    """[R/2] inverse frequencies θ_i = theta^(-2i/R) of the R = ``cfg.rotary_dim`` rotated
+    head dims, with the configured scaling applied.
 
-    Matches transformers' ``default``, ``linear`` and ``llama3`` rope types.
+    Matches transformers' ``default``, ``linear`` and ``llama3`` rope types. With
+    ``cfg.local_rope_theta`` (Gemma 3), a sliding ``layer`` uses that base and no scaling.
     """
-    dim = cfg.dim_per_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = cfg.rope_scaling
+    if layer is not None and cfg.local_rope_theta is not None and cfg.sliding_layers[layer]:
+        return _inverse_frequencies(cfg.rotary_dim, cfg.local_rope_theta, None)
+    return _inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def layer_rope_table(cfg: ModelConfig) -> np.ndarray:
+    """[L, R/2] inverse frequencies of every layer (rows differ only with local_rope_theta)."""
+    return np.stack([rope_inverse_frequencies(cfg, i) for i in range(cfg.num_layers)])
+
+
+def _inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
     if scaling.type == "linear":
@@ -86,20 +126,40 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(
-    x: Float[Array, "B T N H"], positions: Int[Array, "B T"], inv_freq: np.ndarray
+    x: Float[Array, "B T N H"], positions: Int[Array, "B T"], inv_freq: np.ndarray | jax.Array
 ) -> Float[Array, "B T N H"]:
-    """Rotary embedding in the "rotate half" layout of transformers (first/second halves).
+    """Rotary embedding in the "rotate half" layout of transformers (first/second halves of
+    the first R = 2 * len(inv_freq) dims; any dims after them pass unrotated, as with
+    ``partial_rotary_factor`` < 1).
 
     Angles are computed in float32; the result is cast back to ``x.dtype``.
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, R/2]
     cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotate(x, cos, sin)
 
 
-def xla_attention(q, k, v, mask, scale):
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x`` [..., H] rotated by angle tables [..., R/2] (broadcast against x's leading dims):
+    the "rotate half" arithmetic on the first R dims, the rest unchanged."""
+    rot = 2 * cos.shape[-1]
+    x1, x2 = jnp.split(x[..., :rot], 2, axis=-1)
+    out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rot < x.shape[-1]:
+        out.append(x[..., rot:])
+    return jnp.concatenate(out, axis=-1)
+
+
+def softcap(scores: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(scores / cap)`` (Gemma 2's soft-capping of attention scores and logits),
+    or ``scores`` unchanged where ``cap`` is None."""
+    if cap is None:
+        return scores
+    return jnp.tanh(scores / cap) * cap
+
+
+def xla_attention(q, k, v, mask, scale, logit_cap=None):
     batch, q_len, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     groups = num_heads // num_kv
@@ -114,6 +174,7 @@ def xla_attention(q, k, v, mask, scale):
     v = v.transpose(0, 2, 1, 3)
     logits = jnp.einsum("BKMH,BKSH->BKMS", q, k, preferred_element_type=jnp.float32)
     logits = logits.reshape(batch, num_kv, groups, q_len, -1) * scale  # [B, K, G, T, S]
+    logits = softcap(logits, logit_cap)
     # A finite floor (not -inf) keeps fully masked rows (padding queries) finite.
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
@@ -122,8 +183,12 @@ def xla_attention(q, k, v, mask, scale):
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim)
 
 
-def _cudnn_usable(q: jax.Array) -> bool:
-    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+def _cudnn_usable(q: jax.Array, logit_cap: float | None = None) -> bool:
+    return (
+        jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and logit_cap is None  # jax.nn.dot_product_attention has no soft-capping
+    )
 
 
 def dot_product_attention(
@@ -134,6 +199,7 @@ def dot_product_attention(
     *,
     scale: float,
     impl: str = "auto",
+    logit_cap: float | None = None,
 ) -> Float[Array, "B T N H"]:
     """Grouped-query softmax attention, softmax in float32.
 
@@ -142,21 +208,23 @@ def dot_product_attention(
       k, v: keys and values, K heads with N % K == 0 (query head n reads kv head n // (N/K)).
       mask: True where query t may attend key s.
       scale: multiplier on q·k (usually 1/sqrt(H)).
-      impl: ``xla`` (any backend), ``cudnn`` (GPU, fp16/bf16, raises elsewhere) or ``auto``
-        (cuDNN when usable, else XLA).
+      impl: ``xla`` (any backend), ``cudnn`` (GPU, fp16/bf16, no ``logit_cap``; raises
+        elsewhere) or ``auto`` (cuDNN when usable, else XLA).
+      logit_cap: soft-cap of the scaled scores (:func:`softcap`), None for none.
 
     Returns:
       [B, T, N, H] in v's dtype.
     """
     if impl == "auto":
-        impl = "cudnn" if _cudnn_usable(q) else "xla"
+        impl = "cudnn" if _cudnn_usable(q, logit_cap) else "xla"
     if impl == "xla":
-        return xla_attention(q, k, v, mask, scale)
+        return xla_attention(q, k, v, mask, scale, logit_cap)
     if impl == "cudnn":
-        if not _cudnn_usable(q):
+        if not _cudnn_usable(q, logit_cap):
             raise ValueError(
-                f"attention_impl='cudnn' needs a GPU backend and fp16/bf16 inputs; got backend "
-                f"{jax.default_backend()!r}, dtype {q.dtype}. Use 'auto' or 'xla'."
+                f"attention_impl='cudnn' needs a GPU backend, fp16/bf16 inputs and no logit "
+                f"soft-cap; got backend {jax.default_backend()!r}, dtype {q.dtype}, cap "
+                f"{logit_cap}. Use 'auto' or 'xla'."
             )
         return jax.nn.dot_product_attention(
             q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn"

@@ -10,7 +10,8 @@ Parameter axes:
   HEADS     query heads                                                   N
   KV_HEADS  key/value heads (grouped-query attention)                     K
   HEAD_DIM  per-head width                                                H
-  MLP       feed-forward hidden width                                     F
+  MLP       feed-forward hidden width (of each expert in an MoE layer)     F
+  EXPERT    the experts of a mixture-of-experts layer (expert parallelism) E
   LAYERS    stacked decoder layers (scan axis)                            L
   NORM      scale/bias vectors of normalisation layers (tiny; replicated)
   POSITIONS learned absolute position rows (GPT-2)
@@ -32,6 +33,7 @@ HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
+EXPERT = "expert"
 LAYERS = "layers"
 NORM = "norm"
 POSITIONS = "positions"
@@ -47,7 +49,19 @@ CACHE_BATCH = "cache_batch"
 CACHE_LENGTH = "cache_length"
 CACHE_HEADS = "cache_heads"
 
-PARAM_AXES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, POSITIONS, SCALAR)
+PARAM_AXES = (
+    VOCAB,
+    EMBED,
+    HEADS,
+    KV_HEADS,
+    HEAD_DIM,
+    MLP,
+    EXPERT,
+    LAYERS,
+    NORM,
+    POSITIONS,
+    SCALAR,
+)
 ACTIVATION_AXES = (
     BATCH,
     LENGTH,

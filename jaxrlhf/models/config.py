@@ -1,8 +1,10 @@
 """ModelConfig: one frozen description of a decoder-only transformer.
 
-A single config covers the Llama 2/3, Mistral, Qwen2, Gemma (first generation) and GPT-2
-families; the family-specific choices are plain fields (norm type, activation, biases, how
-positions enter, tying). Presets build the standard shapes; ``tiny()`` is for tests.
+A single config covers the Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 1/2/3 (text), Phi-3
+and GPT-2 families and the Mixtral and Qwen3-MoE mixtures of experts; the family-specific
+choices are plain fields (norm type and placement, activation, biases, q/k norms, soft-caps,
+per-layer attention windows and RoPE bases, experts, tying). Presets build the standard
+shapes (models/presets.py); ``tiny()`` is for tests.
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gpt2")
+from jaxrlhf.models.families import (
+    FAMILIES,
+    FAMILY_TRAITS,
+    LAYER_TYPES,
+    ROPE_SCALING_TYPES,
+    TINY_SHAPES,
+    RopeScaling,
+    alternating_layers,
+)
+from jaxrlhf.models.presets import NamedPresets
+
 NORM_TYPES = ("rms", "layer")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 POSITION_TYPES = ("rope", "learned")
-ROPE_SCALING_TYPES = ("linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
@@ -27,32 +38,19 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"ModelConfig.{name}={value!r} is not one of {list(choices)}")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """RoPE frequency scaling.
-
-    ``linear`` divides every inverse frequency by ``factor`` (Llama 2 long-context style);
-    ``llama3`` rescales only the low frequencies with a smooth ramp between
-    ``low_freq_factor`` and ``high_freq_factor`` (Llama 3.1+).
-    """
-
-    type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.type not in ROPE_SCALING_TYPES:
-            raise ValueError(
-                f"RopeScaling.type={self.type!r} is not one of {list(ROPE_SCALING_TYPES)}"
-            )
-        if self.factor <= 0:
-            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
+# The family vocabulary (models/families.py) is importable from here too.
+__all__ = [
+    "FAMILIES",
+    "LAYER_TYPES",
+    "ROPE_SCALING_TYPES",
+    "ModelConfig",
+    "RopeScaling",
+    "alternating_layers",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(NamedPresets):
     """Architecture and numerics of a decoder-only transformer.
 
     Shapes use the letters of STYLE.md: D = hidden_size, F = intermediate_size,
@@ -82,7 +80,22 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_embeddings: bool = False
     scale_embeddings: bool = False  # Gemma: multiply embeddings by sqrt(D)
-    sliding_window: int | None = None  # Mistral: keys at most this many positions back
+    sliding_window: int | None = None  # keys at most this many positions back (sliding layers)
+    # Gemma 2/3 alternate sliding and full layers; Qwen2/3 slide from max_window_layers on.
+    layer_types: tuple[str, ...] | None = None  # per layer, a LAYER_TYPES; None: all alike
+    qk_norm: bool = False  # Qwen3, Gemma 3: a norm over head_dim on queries and keys
+    post_norms: bool = False  # Gemma 2/3: norms on the attention and MLP outputs as well
+    query_pre_attn_scalar: float | None = None  # scores scaled by this**-0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the LM logits
+    local_rope_theta: float | None = None  # Gemma 3: RoPE base of sliding layers (no scaling)
+    partial_rotary_factor: float = 1.0  # RoPE rotates this fraction of each head's dims
+
+    num_experts: int = 0  # experts replacing every layer's MLP (models/moe.py); 0: dense
+    num_experts_per_tok: int = 2  # k of the top-k router
+    moe_intermediate_size: int | None = None  # each expert's F (None: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    router_aux_loss_coef: float = 0.0  # training: weight of the load-balancing loss (0: off)
 
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"
@@ -121,6 +134,60 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim={self.dim_per_head} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
+        self._check_layers()
+        self._check_experts()
+
+    def _check_layers(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                    f"num_layers={self.num_layers}"
+                )
+            for kind in self.layer_types:
+                _check_choice("layer_types[]", kind, LAYER_TYPES)
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("ModelConfig.layer_types has sliding layers but no sliding_window")
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+            "local_rope_theta",
+        ):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor must be in (0, 1], got "
+                f"{self.partial_rotary_factor}"
+            )
+        if self.position_embedding == "rope" and self.rotary_dim % 2:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} rotates "
+                f"{self.rotary_dim} of {self.dim_per_head} head dims; RoPE needs an even number"
+            )
+
+    def _check_experts(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(
+                f"ModelConfig.num_experts must be an int >= 0, got {self.num_experts!r}"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}"
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(
+                f"ModelConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}"
+            )
+        if self.num_experts and not self.gated_mlp:
+            raise ValueError("ModelConfig.num_experts > 0 needs gated_mlp=True (gated experts)")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -130,6 +197,30 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims that RoPE rotates (the first ones; transformers' ``int(H * factor)``)."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier on q·k: ``query_pre_attn_scalar**-0.5``, by default ``head_dim**-0.5``."""
+        return (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its attention is windowed by ``sliding_window``."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is None:
+            return (True,) * self.num_layers
+        return tuple(kind == "sliding_attention" for kind in self.layer_types)
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's hidden width F (MoE models)."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -156,216 +247,6 @@ class ModelConfig:
             max_position_embeddings=128,
         )
         base.update(FAMILY_TRAITS[family])
-        if family == "gpt2":
-            base["num_kv_heads"] = None
-        if family == "gemma":
-            base["head_dim"] = 16  # separate from hidden_size // num_heads = 8
+        base.update(TINY_SHAPES.get(family, {}))
         base.update(overrides)
         return cls(family=family, **base)
-
-    @classmethod
-    def bench_s(cls, **overrides: Any) -> ModelConfig:
-        """bench-S of shared/bench/WORKLOADS.md (Llama architecture, 3.5M matmul params)."""
-        return cls(
-            **dict(
-                family="llama",
-                vocab_size=2048,
-                hidden_size=256,
-                intermediate_size=704,
-                num_layers=4,
-                num_heads=8,
-                num_kv_heads=4,
-                max_position_embeddings=512,
-                rope_theta=10000.0,
-                norm_eps=1e-5,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def bench_m(cls, **overrides: Any) -> ModelConfig:
-        """bench-M of shared/bench/WORKLOADS.md (Llama architecture, ~100M params)."""
-        return cls(
-            **dict(
-                family="llama",
-                vocab_size=8192,
-                hidden_size=768,
-                intermediate_size=2048,
-                num_layers=12,
-                num_heads=12,
-                num_kv_heads=4,
-                max_position_embeddings=1024,
-                rope_theta=10000.0,
-                norm_eps=1e-5,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def llama3_8b(cls, **overrides: Any) -> ModelConfig:
-        return cls(
-            **dict(
-                family="llama",
-                vocab_size=128256,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_layers=32,
-                num_heads=32,
-                num_kv_heads=8,
-                max_position_embeddings=131072,
-                rope_theta=500000.0,
-                norm_eps=1e-5,
-                rope_scaling=RopeScaling(
-                    type="llama3",
-                    factor=8.0,
-                    low_freq_factor=1.0,
-                    high_freq_factor=4.0,
-                    original_max_position_embeddings=8192,
-                ),
-                bos_token_id=128000,
-                eos_token_id=128001,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def llama2_7b(cls, **overrides: Any) -> ModelConfig:
-        return cls(
-            **dict(
-                family="llama",
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=11008,
-                num_layers=32,
-                num_heads=32,
-                max_position_embeddings=4096,
-                norm_eps=1e-5,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def mistral_7b(cls, **overrides: Any) -> ModelConfig:
-        return cls(
-            **dict(
-                family="mistral",
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_layers=32,
-                num_heads=32,
-                num_kv_heads=8,
-                max_position_embeddings=32768,
-                norm_eps=1e-5,
-                sliding_window=4096,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def qwen2_7b(cls, **overrides: Any) -> ModelConfig:
-        return cls(
-            **dict(
-                family="qwen2",
-                vocab_size=152064,
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_layers=28,
-                num_heads=28,
-                num_kv_heads=4,
-                max_position_embeddings=32768,
-                rope_theta=1000000.0,
-                qkv_bias=True,
-                eos_token_id=151643,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def qwen2_5_1_5b(cls, **overrides: Any) -> ModelConfig:
-        """Qwen2.5-1.5B (Qwen/Qwen2.5-1.5B config.json; 1.54B params, tied embeddings).
-
-        The -Instruct variant differs only in ``eos_token_id`` (151645, ``<|im_end|>``) and
-        ``max_position_embeddings`` (32768). Any field may be overridden.
-        """
-        base: dict[str, Any] = dict(
-            family="qwen2",
-            vocab_size=151936,
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_layers=28,
-            num_heads=12,
-            num_kv_heads=2,
-            max_position_embeddings=131072,
-            rope_theta=1000000.0,
-            qkv_bias=True,
-            tie_embeddings=True,
-            bos_token_id=151643,
-            eos_token_id=151643,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def gemma_2b(cls, **overrides: Any) -> ModelConfig:
-        return cls(
-            **dict(
-                family="gemma",
-                vocab_size=256000,
-                hidden_size=2048,
-                intermediate_size=16384,
-                num_layers=18,
-                num_heads=8,
-                num_kv_heads=1,
-                head_dim=256,
-                max_position_embeddings=8192,
-                **FAMILY_TRAITS["gemma"],
-                bos_token_id=2,
-                eos_token_id=1,
-                pad_token_id=0,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-    @classmethod
-    def gpt2(cls, **overrides: Any) -> ModelConfig:
-        return cls(
-            **dict(
-                family="gpt2",
-                vocab_size=50257,
-                hidden_size=768,
-                intermediate_size=3072,
-                num_layers=12,
-                num_heads=12,
-                max_position_embeddings=1024,
-                **FAMILY_TRAITS["gpt2"],
-                bos_token_id=50256,
-                eos_token_id=50256,
-            )
-            | overrides  # a preset's own fields may be overridden too
-        )
-
-
-# Architectural traits that distinguish the families (everything else is a size).
-FAMILY_TRAITS: dict[str, dict[str, Any]] = {
-    "llama": dict(),
-    "mistral": dict(),
-    "qwen2": dict(qkv_bias=True),
-    "gemma": dict(
-        norm_unit_offset=True, activation="gelu_tanh", scale_embeddings=True, tie_embeddings=True
-    ),
-    "gpt2": dict(
-        norm_type="layer",
-        norm_eps=1e-5,
-        activation="gelu_tanh",
-        gated_mlp=False,
-        position_embedding="learned",
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=True,
-    ),
-}

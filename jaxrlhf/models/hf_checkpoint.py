@@ -141,6 +141,11 @@ def load_params(
         hf = [reader.get(_resolve_key(reader, k.format(i=layer), cfg)) for k in m.hf_keys]
         return tuple(m.to_ours(hf))
 
+    def expert_rows(m: TensorMap, layer: int, index: tuple, dtype: Any) -> np.ndarray:
+        keys = m.hf_keys[index[0]]  # the experts of this shard
+        hf = [reader.get(_resolve_key(reader, k.format(i=layer), cfg)) for k in keys]
+        return np.stack([np.asarray(m.to_ours([w])[0][index[1:]], dtype=dtype) for w in hf])
+
     flat: dict[str, jax.Array] = {}
     for map_index, m in enumerate(maps):
         for slot, path in enumerate(m.ours):
@@ -155,6 +160,8 @@ def load_params(
                 if not m.per_layer:
                     return np.asarray(converted(map_index, None)[slot][index], dtype=dtype)
                 rows = range(*index[0].indices(cfg.num_layers))
+                if m.stacked:  # read only this shard's experts
+                    return np.stack([expert_rows(m, i, index[1:], dtype) for i in rows])
                 return np.stack(
                     [
                         np.asarray(converted(map_index, i)[slot][index[1:]], dtype=dtype)
@@ -229,7 +236,10 @@ def save_hf(
         for m in maps:
             for i in range(cfg.num_layers) if m.per_layer else [None]:
                 ours = [_host_layer(flat[p], i) for p in m.ours]
-                yield from m.to_hf(ours)
+                if m.stacked:  # one HF tensor per expert
+                    yield from (m.to_hf([expert])[0] for expert in ours[0])
+                else:
+                    yield from m.to_hf(ours)
 
     is_writer = jax.process_index() == 0
     if is_writer:

@@ -31,6 +31,9 @@ class TensorMap:
     to_ours: Callable[[Arrays], list[np.ndarray]]
     to_hf: Callable[[Arrays], list[np.ndarray]]
     per_layer: bool = True
+    # Experts: HF key j is row j of our one leaf's first (per-layer) axis, so a shard reads
+    # only its experts' tensors; to_ours/to_hf then convert one expert at a time.
+    stacked: bool = False
 
 
 def _identity(hf_key: str, ours: str, shape: tuple[int, ...], per_layer: bool = True) -> TensorMap:
@@ -67,6 +70,35 @@ def _reshape(
     )
 
 
+def _experts(hf_key: str, ours: str, num_experts: int, our_shape: tuple[int, ...]) -> TensorMap:
+    """Per-expert torch Linear weights ``hf_key.format(j=j)`` [out, in] <-> our
+    ``[E, in, out]`` kernel (``our_shape`` = (in, out))."""
+    base = _linear(hf_key, ours, our_shape, 1)
+    keys = tuple(hf_key.replace("{j}", str(j)) for j in range(num_experts))
+    return TensorMap(
+        keys, (ours,), base.hf_shapes * num_experts, base.to_ours, base.to_hf, stacked=True
+    )
+
+
+def _fused_rows(
+    hf_key: str, ours: tuple[str, ...], our_shapes: tuple[tuple[int, ...], ...]
+) -> TensorMap:
+    """One torch Linear weight whose output rows are several of our kernels one after the
+    other (Phi-3's qkv_proj, gate_up_proj) <-> those kernels ``[D, *out]``."""
+    d = our_shapes[0][0]
+    widths = [int(np.prod(shape[1:])) for shape in our_shapes]
+    bounds = np.cumsum(widths)[:-1].tolist()
+    return TensorMap(
+        (hf_key,),
+        ours,
+        ((sum(widths), d),),
+        lambda w: [
+            x.T.reshape(shape) for x, shape in zip(np.split(w[0], bounds), our_shapes, strict=True)
+        ],
+        lambda w: [np.concatenate([x.reshape(d, -1).T for x in w], axis=0)],
+    )
+
+
 def _head_maps(cfg: ModelConfig, head: str) -> list[TensorMap]:
     d, v = cfg.hidden_size, cfg.vocab_size
     if head == "scalar":
@@ -100,16 +132,29 @@ def _llama_like(cfg: ModelConfig) -> list[TensorMap]:
     maps = [
         _identity("model.embed_tokens.weight", "decoder/embed/embedding", (v, d), False),
         _identity("model.norm.weight", "decoder/final_norm/scale", (d,), False),
-        _identity(L + "input_layernorm.weight", ours + "attn_norm/scale", (d,)),
-        _identity(L + "post_attention_layernorm.weight", ours + "mlp_norm/scale", (d,)),
-        _linear(L + "self_attn.q_proj.weight", ours + "attn/q_kernel", (d, n, h), 1),
-        _linear(L + "self_attn.k_proj.weight", ours + "attn/k_kernel", (d, k, h), 1),
-        _linear(L + "self_attn.v_proj.weight", ours + "attn/v_kernel", (d, k, h), 1),
+        *_norm_maps(cfg),
         _linear(L + "self_attn.o_proj.weight", ours + "attn/o_kernel", (n, h, d), 2),
-        _linear(L + "mlp.gate_proj.weight", ours + "mlp/gate_kernel", (d, f), 1),
-        _linear(L + "mlp.up_proj.weight", ours + "mlp/up_kernel", (d, f), 1),
-        _linear(L + "mlp.down_proj.weight", ours + "mlp/down_kernel", (f, d), 1),
     ]
+    if cfg.family == "phi3":
+        maps.append(
+            _fused_rows(
+                L + "self_attn.qkv_proj.weight",
+                tuple(ours + f"attn/{x}_kernel" for x in "qkv"),
+                ((d, n, h), (d, k, h), (d, k, h)),
+            )
+        )
+    else:
+        maps += [
+            _linear(L + "self_attn.q_proj.weight", ours + "attn/q_kernel", (d, n, h), 1),
+            _linear(L + "self_attn.k_proj.weight", ours + "attn/k_kernel", (d, k, h), 1),
+            _linear(L + "self_attn.v_proj.weight", ours + "attn/v_kernel", (d, k, h), 1),
+        ]
+    if cfg.qk_norm:
+        for x in "qk":
+            maps.append(
+                _identity(L + f"self_attn.{x}_norm.weight", ours + f"attn/{x}_norm/scale", (h,))
+            )
+    maps += _feed_forward_maps(cfg)
     if cfg.qkv_bias:
         for name, heads in (("q", n), ("k", k), ("v", k)):
             maps.append(
@@ -126,6 +171,50 @@ def _llama_like(cfg: ModelConfig) -> list[TensorMap]:
         for name, size in (("gate", f), ("up", f), ("down", d)):
             maps.append(_identity(L + f"mlp.{name}_proj.bias", ours + f"mlp/{name}_bias", (size,)))
     return maps
+
+
+def _norm_maps(cfg: ModelConfig) -> list[TensorMap]:
+    """Layer norms. Gemma 2/3 have four: their ``post_attention_layernorm`` normalises the
+    attention output, where the other families' normalises the MLP input."""
+    d, L, ours = cfg.hidden_size, "model.layers.{i}.", "decoder/layers/"
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+    if cfg.post_norms:
+        names = {
+            "input_layernorm": "attn_norm",
+            "post_attention_layernorm": "post_attn_norm",
+            "pre_feedforward_layernorm": "mlp_norm",
+            "post_feedforward_layernorm": "post_mlp_norm",
+        }
+    return [_identity(L + f"{hf}.weight", ours + f"{o}/scale", (d,)) for hf, o in names.items()]
+
+
+def _feed_forward_maps(cfg: ModelConfig) -> list[TensorMap]:
+    """The dense MLP (Phi-3: gate and up fused in one tensor) or the experts and router
+    (Mixtral: block_sparse_moe.experts.{j}.w1/w3/w2; Qwen3-MoE: mlp.experts.{j}.*_proj)."""
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, "model.layers.{i}."
+    mlp = "decoder/layers/mlp/"
+    if cfg.num_experts:
+        e, fe, moe = cfg.num_experts, cfg.expert_size, "decoder/layers/moe/"
+        if cfg.family == "mixtral":
+            block, names = L + "block_sparse_moe.", ("w1", "w3", "w2")
+        else:
+            block, names = L + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        expert = block + "experts.{j}.{name}.weight"
+        return [
+            _linear(block + "gate.weight", moe + "router_kernel", (d, e), 1),
+            _experts(expert.replace("{name}", names[0]), moe + "gate_kernel", e, (d, fe)),
+            _experts(expert.replace("{name}", names[1]), moe + "up_kernel", e, (d, fe)),
+            _experts(expert.replace("{name}", names[2]), moe + "down_kernel", e, (fe, d)),
+        ]
+    down = _linear(L + "mlp.down_proj.weight", mlp + "down_kernel", (f, d), 1)
+    if cfg.family == "phi3":
+        gate_up = (mlp + "gate_kernel", mlp + "up_kernel")
+        return [_fused_rows(L + "mlp.gate_up_proj.weight", gate_up, ((d, f), (d, f))), down]
+    return [
+        _linear(L + "mlp.gate_proj.weight", mlp + "gate_kernel", (d, f), 1),
+        _linear(L + "mlp.up_proj.weight", mlp + "up_kernel", (d, f), 1),
+        down,
+    ]
 
 
 def _gpt2(cfg: ModelConfig) -> list[TensorMap]:

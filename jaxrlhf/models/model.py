@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.models.attention import causal_mask, positions_from_mask
+from jaxrlhf.models import moe
+from jaxrlhf.models.attention import causal_mask, layer_masks, positions_from_mask
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.shared_prefix import PackedGroups
 from jaxrlhf.models.transformer import HEADS, Constrain, KVCache, no_constraint
@@ -64,6 +65,20 @@ def init_params(
     return init(key)
 
 
+def _apply(module: nn.Module, params: Params, token_mask: jax.Array, *args, **kwargs) -> Any:
+    """``module.apply`` returning the model output; inside
+    :func:`jaxrlhf.models.moe.capture_router_logits`, an MoE model's router logits are
+    collected too (``token_mask`` [B, T]: the real tokens of the rows that ran)."""
+    sink = moe.router_sink()
+    if sink is None or not module.cfg.num_experts:
+        out, _ = module.apply({"params": params}, *args, **kwargs)
+        return out
+    (out, _), state = module.apply({"params": params}, *args, mutable=["intermediates"], **kwargs)
+    (logits,) = state["intermediates"]["decoder"]["layers"]["moe"]["router_logits"]
+    sink.append(moe.RouterLogits(logits=logits, token_mask=token_mask.astype(bool)))
+    return out
+
+
 def forward(
     module: nn.Module,
     params: Params,
@@ -91,9 +106,8 @@ def forward(
     """
     if positions is None:
         positions = positions_from_mask(mask)
-    attn_mask = causal_mask(mask, tokens.shape[1], 0, module.cfg.sliding_window)
-    out, _ = module.apply({"params": params}, tokens, positions, attn_mask, head_from=head_from)
-    return out
+    attn_mask = layer_masks(module.cfg, mask, tokens.shape[1])
+    return _apply(module, params, mask, tokens, positions, attn_mask, head_from=head_from)
 
 
 def forward_packed(
@@ -114,10 +128,14 @@ def forward_packed(
     Returns:
       [N, M, V] float32 logits for an LM, [N, M] float32 values for a scalar head.
     """
-    out, _ = module.apply(
-        {"params": params}, packed.tokens, packed.positions, packed.mask, select=select
+    # Real tokens of the packed rows: the prompt's (the prefix mask's diagonal) and the
+    # responses'.
+    prompt_mask = jnp.diagonal(packed.mask.prefix, axis1=1, axis2=2)
+    token_mask = jnp.concatenate(
+        [prompt_mask, packed.response_mask.reshape(prompt_mask.shape[0], -1)], axis=1
     )
-    return out
+    masks = packed.layer_masks()
+    return _apply(module, params, token_mask, packed.tokens, packed.positions, masks, select=select)
 
 
 def forward_with_cache(
@@ -134,7 +152,7 @@ def forward_with_cache(
     ``cache_mask`` marks which slots hold real tokens *including* the new ones. Used for
     prefill (T = prompt length, cache_index = 0) and decode (T = 1).
     """
-    attn_mask = causal_mask(cache_mask, tokens.shape[1], cache_index, module.cfg.sliding_window)
+    attn_mask = layer_masks(module.cfg, cache_mask, tokens.shape[1], cache_index)
     return module.apply({"params": params}, tokens, positions, attn_mask, cache, cache_index)
 
 

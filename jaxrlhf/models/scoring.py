@@ -50,6 +50,11 @@ class RolloutForward:
     max_new_tokens: int
     group_size: int = 1
 
+    @property
+    def cfg(self) -> Any:
+        """The model's ModelConfig."""
+        return self.module.cfg
+
     def prompt_len(self, tokens: Int[Array, "N T"]) -> int:
         """P, the index of the first response slot (at least 1)."""
         return max(1, tokens.shape[1] - self.max_new_tokens)

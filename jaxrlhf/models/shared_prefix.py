@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.models.attention import positions_from_mask, xla_attention
+from jaxrlhf.models.attention import LayerMasks, positions_from_mask, softcap, xla_attention
 
 
 @flax.struct.dataclass
@@ -67,14 +67,24 @@ class PackedGroups:
     Attributes:
       tokens: [G, P + n*R] token ids.
       positions: [G, P + n*R] position ids (each response continues from its prompt).
-      mask: the block attention mask.
+      mask: the block attention mask of full-attention layers.
       response_mask: [G, n, R] True at real response tokens.
+      sliding: the same mask windowed to ``sliding_window`` positions, for sliding layers
+        (None without a window).
     """
 
     tokens: Int[Array, "G L"]
     positions: Int[Array, "G L"]
     mask: SharedPrefixMask
     response_mask: Bool[Array, "G n R"]
+    sliding: SharedPrefixMask | None = None
+
+    def layer_masks(self) -> SharedPrefixMask | LayerMasks:
+        """The mask argument of the model: both masks when there is a window (the model
+        picks per layer, ``ModelConfig.layer_types``), else the full one."""
+        if self.sliding is None:
+            return self.mask
+        return LayerMasks(full=self.mask, sliding=self.sliding)
 
 
 def pack_groups(
@@ -92,7 +102,8 @@ def pack_groups(
       mask: [N, T] True at real tokens: left-padded prompts, right-padded responses.
       prefix_len: P, the prompt slots (the first response slot's index).
       group_size: n, rows per group (must divide N).
-      sliding_window: the model's attention window in positions, if any.
+      sliding_window: the model's attention window in positions, if any: the result then
+        carries a windowed mask too, for the model's sliding layers.
 
     Returns:
       The packed batch; its outputs are read back with :func:`response_inputs` or
@@ -120,16 +131,21 @@ def pack_groups(
     prefix = jnp.tril(jnp.ones((p, p), bool))[None] & pre_mask[:, None, :]
     cross = jnp.broadcast_to(pre_mask[:, None, None, :], (g, n, r, p))
     suffix = jnp.tril(jnp.ones((r, r), bool))[None, None] & resp_mask[:, :, None, :]
+    full = SharedPrefixMask(prefix=prefix, cross=cross, suffix=suffix)
+    sliding = None
     if sliding_window is not None:
         # Real tokens are contiguous in the unpacked rows, so the window is in positions.
-        prefix &= pre_pos[:, :, None] - pre_pos[:, None, :] < sliding_window
-        cross &= resp_pos[..., None] - pre_pos[:, None, None, :] < sliding_window
-        suffix &= resp_pos[..., :, None] - resp_pos[..., None, :] < sliding_window
+        sliding = SharedPrefixMask(
+            prefix=prefix & (pre_pos[:, :, None] - pre_pos[:, None, :] < sliding_window),
+            cross=cross & (resp_pos[..., None] - pre_pos[:, None, None, :] < sliding_window),
+            suffix=suffix & (resp_pos[..., :, None] - resp_pos[..., None, :] < sliding_window),
+        )
     return PackedGroups(
         tokens=jnp.concatenate([pre_tokens, tokens[:, p:].reshape(g, n * r)], axis=1),
         positions=jnp.concatenate([pre_pos, resp_pos.reshape(g, n * r)], axis=1),
-        mask=SharedPrefixMask(prefix=prefix, cross=cross, suffix=suffix),
+        mask=full,
         response_mask=resp_mask,
+        sliding=sliding,
     )
 
 
@@ -165,6 +181,7 @@ def shared_prefix_attention(
     mask: SharedPrefixMask,
     *,
     scale: float,
+    logit_cap: float | None = None,
 ) -> Float[Array, "G L N H"]:
     """Grouped-query softmax attention over a packed batch, softmax in float32.
 
@@ -176,7 +193,7 @@ def shared_prefix_attention(
     num_kv = k.shape[2]
     groups = num_heads // num_kv
     p, n, r = mask.prefix_len, mask.group_size, mask.response_len
-    out_prefix = xla_attention(q[:, :p], k[:, :p], v[:, :p], mask.prefix, scale)
+    out_prefix = xla_attention(q[:, :p], k[:, :p], v[:, :p], mask.prefix, scale, logit_cap)
 
     # [G, K, n, groups*R, H]: one plain batched matmul per (group, kv head) against the
     # prompt, per (group, kv head, response) against the response (see xla_attention).
@@ -198,6 +215,7 @@ def shared_prefix_attention(
     )
     logits_s = jnp.einsum("BKNMH,BKNSH->BKNMS", qs, ks, preferred_element_type=f32)
     logits_s = logits_s.reshape(g, num_kv, n, groups, r, r) * scale
+    logits_p, logits_s = softcap(logits_p, logit_cap), softcap(logits_s, logit_cap)
     logits_p = jnp.where(mask.cross[:, None, :, None], logits_p, floor)
     logits_s = jnp.where(mask.suffix[:, None, :, None], logits_s, floor)
     top = jax.lax.stop_gradient(jnp.maximum(logits_p.max(-1), logits_s.max(-1)))[..., None]

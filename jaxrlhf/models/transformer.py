@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Flax Linen) covering Llama, Mistral, Qwen2, Gemma and GPT-2.
+"""Decoder-only transformer (Flax Linen) covering Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3,
+GPT-2 and the Mixtral / Qwen3-MoE mixtures of experts.
 
 Layers run under ``nn.scan`` with parameters stacked on a leading ``layers`` axis, so compile
 time does not grow with depth (stacks of at most ``UNROLL_MAX_LAYERS`` are unrolled: faster
@@ -14,9 +15,14 @@ Param tree (``CausalLM``)::
     decoder/layers/attn/q_kernel       [L, D, N, H]
     decoder/layers/attn/k_kernel       [L, D, K, H]   v_kernel alike
     decoder/layers/attn/o_kernel       [L, N, H, D]   (+ q/k/v/o biases where configured)
+    decoder/layers/attn/q_norm/scale   [L, H]     k_norm alike              qk_norm only
+    decoder/layers/post_attn_norm/scale [L, D]    post_mlp_norm alike       post_norms only
     decoder/layers/mlp_norm/scale      [L, D]
     decoder/layers/mlp/gate_kernel     [L, D, F]  up_kernel alike (gate only when gated)
     decoder/layers/mlp/down_kernel     [L, F, D]
+    decoder/layers/moe/router_kernel   [L, D, E]  instead of mlp/ in MoE models
+    decoder/layers/moe/gate_kernel     [L, E, D, F]  (layers, expert, embed, mlp); up alike
+    decoder/layers/moe/down_kernel     [L, E, F, D]
     decoder/final_norm/scale           [D]
     lm_head                            [D, V]     (embed, vocab)            untied models only
 ``ScalarModel`` has ``score [D, 1]`` (embed, scalar) instead of ``lm_head`` (value or reward
@@ -34,8 +40,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.models import axes
-from jaxrlhf.models.attention import apply_rope, dot_product_attention, rope_inverse_frequencies
+from jaxrlhf.models import axes, moe
+from jaxrlhf.models.attention import (
+    LayerMasks,
+    apply_rope,
+    dot_product_attention,
+    layer_rope_table,
+    softcap,
+)
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.shared_prefix import SharedPrefixMask, shared_prefix_attention
 
@@ -159,7 +171,9 @@ class Attention(nn.Module):
         mask: Bool[Array, "B T S"],
         cache: tuple[jax.Array, jax.Array] | None,
         cache_index: Int[Array, ""] | None,
+        inv_freq: jax.Array | None = None,
     ) -> tuple[Float[Array, "B T D"], tuple[jax.Array, jax.Array] | None]:
+        """``inv_freq``: [R/2] RoPE inverse frequencies of this layer (None: no RoPE)."""
         cfg = self.cfg
         d, n, k_heads, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         init = _dense_init(cfg)
@@ -179,8 +193,10 @@ class Attention(nn.Module):
         q = project("q", n, axes.HEADS)
         k = project("k", k_heads, axes.KV_HEADS)
         v = project("v", k_heads, axes.KV_HEADS)
-        if cfg.position_embedding == "rope":
-            inv_freq = rope_inverse_frequencies(cfg)
+        if cfg.qk_norm:  # per head, over head_dim, before RoPE
+            q = Norm(cfg, name="q_norm")(q)
+            k = Norm(cfg, name="k_norm")(k)
+        if inv_freq is not None:
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
 
@@ -193,10 +209,13 @@ class Attention(nn.Module):
             new_cache = (k, v)
             k, v = k.astype(cfg.compute_dtype), v.astype(cfg.compute_dtype)
 
+        scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
         if isinstance(mask, SharedPrefixMask):  # packed groups (models/shared_prefix.py)
-            out = shared_prefix_attention(q, k, v, mask, scale=h**-0.5)
+            out = shared_prefix_attention(q, k, v, mask, scale=scale, logit_cap=cap)
         else:
-            out = dot_product_attention(q, k, v, mask, scale=h**-0.5, impl=cfg.attention_impl)
+            out = dot_product_attention(
+                q, k, v, mask, scale=scale, impl=cfg.attention_impl, logit_cap=cap
+            )
         o_kernel = _param(
             self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init
         )
@@ -237,20 +256,95 @@ class Mlp(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Scanned over layers."""
+class MoeMlp(nn.Module):
+    """Mixture of gated experts with a top-k router (models/moe.py: dropless routing).
+
+    The router's float32 logits are sown as ``intermediates/router_logits`` (read by
+    :func:`jaxrlhf.models.moe.capture_router_logits`; free when not asked for).
+    """
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, cache_index):
-        residual_names = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
-        attn_out, new_cache = Attention(self.cfg, self.constrain, name="attn")(
-            Norm(self.cfg, name="attn_norm")(x), positions, mask, cache, cache_index
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        cfg = self.cfg
+        d, f, e = cfg.hidden_size, cfg.expert_size, cfg.num_experts
+        init = _dense_init(cfg)
+        router = _param(self, "router_kernel", (d, e), (axes.EMBED, None), init)
+        names = (axes.EXPERT, axes.EMBED, axes.MLP)
+        gate = _param(self, "gate_kernel", (e, d, f), names, init)
+        up = _param(self, "up_kernel", (e, d, f), names, init)
+        down = _param(self, "down_kernel", (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED), init)
+        logits = dense(x, router).astype(jnp.float32)  # [B, T, E]
+        self.sow("intermediates", "router_logits", logits)
+        weights, experts = moe.route(
+            logits.reshape(-1, e), cfg.num_experts_per_tok, cfg.norm_topk_prob
         )
+        act = ACTIVATIONS[cfg.activation]
+        out = moe.expert_mlp(x.reshape(-1, d), weights, experts, gate, up, down, act)
+        return out.reshape(x.shape)
+
+
+def feed_forward(cfg: ModelConfig, constrain: Constrain) -> nn.Module:
+    """The layer's MLP block: experts (named ``moe``) or a dense MLP (``mlp``)."""
+    if cfg.num_experts:
+        return MoeMlp(cfg, constrain, name="moe")
+    return Mlp(cfg, constrain, name="mlp")
+
+
+def select_layer_mask(cfg: ModelConfig, mask: Any, layer: Int[Array, ""]) -> Any:
+    """This layer's attention mask: a :class:`LayerMasks`' ``sliding`` or ``full`` part by
+    ``cfg.sliding_layers`` (statically where every layer is alike), any other mask as is."""
+    if not isinstance(mask, LayerMasks):
+        return mask
+    sliding = cfg.sliding_layers
+    if all(sliding):
+        return mask.sliding
+    if not any(sliding):
+        return mask.full
+    is_sliding = jnp.asarray(sliding)[layer]
+    return jax.tree.map(lambda full, win: jnp.where(is_sliding, win, full), mask.full, mask.sliding)
+
+
+def layer_inv_freq(cfg: ModelConfig, layer: Int[Array, ""]) -> jax.Array | None:
+    """This layer's RoPE inverse frequencies [R/2] (None without RoPE)."""
+    if cfg.position_embedding != "rope":
+        return None
+    table = layer_rope_table(cfg)  # [L, R/2], a constant
+    if (table == table[0]).all():
+        return jnp.asarray(table[0])
+    return jnp.asarray(table)[layer]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); with ``post_norms`` (Gemma 2/3)
+    x + norm(attn(norm(x))) and x + norm(mlp(norm(.))). Scanned over layers; ``layer`` is
+    this layer's index (per-layer windows and RoPE bases)."""
+
+    cfg: ModelConfig
+    constrain: Constrain = no_constraint
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, cache_index, layer):
+        cfg = self.cfg
+        residual_names = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
+        mask = select_layer_mask(cfg, mask, layer)
+        attn_out, new_cache = Attention(cfg, self.constrain, name="attn")(
+            Norm(cfg, name="attn_norm")(x),
+            positions,
+            mask,
+            cache,
+            cache_index,
+            layer_inv_freq(cfg, layer),
+        )
+        if cfg.post_norms:
+            attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
         x = self.constrain(x + attn_out, residual_names)
-        x = x + Mlp(self.cfg, self.constrain, name="mlp")(Norm(self.cfg, name="mlp_norm")(x))
+        mlp_out = feed_forward(cfg, self.constrain)(Norm(cfg, name="mlp_norm")(x))
+        if cfg.post_norms:
+            mlp_out = Norm(cfg, name="post_mlp_norm")(mlp_out)
+        x = x + mlp_out
         return self.constrain(x, residual_names), new_cache
 
 
@@ -289,9 +383,9 @@ class Decoder(nn.Module):
             layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
         self.layers = nn.scan(
             layer,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
             length=cfg.num_layers,
             unroll=cfg.num_layers if cfg.num_layers <= UNROLL_MAX_LAYERS else 1,
             metadata_params={nn.PARTITION_NAME: axes.LAYERS},
@@ -302,10 +396,12 @@ class Decoder(nn.Module):
         self,
         tokens: Int[Array, "B T"],
         positions: Int[Array, "B T"],
-        mask: Bool[Array, "B T S"],
+        mask: Bool[Array, "B T S"] | LayerMasks,
         cache: KVCache | None = None,
         cache_index: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "B T D"], KVCache | None]:
+        """``mask``: one attention mask for every layer, or :class:`LayerMasks` (each layer
+        takes the part its ``layer_types`` entry names)."""
         cfg = self.cfg
         x = self.embed(tokens)
         if cfg.scale_embeddings:
@@ -314,7 +410,8 @@ class Decoder(nn.Module):
             x = x + self.pos_embed(positions)
         x = self.constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
         layer_cache = None if cache is None else (cache.k, cache.v)
-        x, new_layer_cache = self.layers(x, positions, mask, layer_cache, cache_index)
+        layer_ids = jnp.arange(cfg.num_layers)
+        x, new_layer_cache = self.layers(x, positions, mask, layer_cache, cache_index, layer_ids)
         new_cache = None if cache is None else KVCache(*new_layer_cache)
         return self.final_norm(x), new_cache
 
@@ -356,7 +453,7 @@ class CausalLM(nn.Module):
             )
             logits = dense(hidden, kernel)
         logits = self.constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
-        return logits.astype(jnp.float32), new_cache
+        return softcap(logits.astype(jnp.float32), cfg.final_logit_softcap), new_cache
 
 
 class ScalarModel(nn.Module):

@@ -57,55 +57,78 @@ _CACHE_RULES: Rules = (
     (ax.CACHE_LENGTH, None),
 )
 
+# Expert parallelism (mixture-of-experts layers, models/moe.py). The experts of an MoE
+# kernel [E, D, F] are split over "fsdp": each device holds E / fsdp whole experts (each
+# split on F over "tensor") instead of a 1/fsdp slice of every expert's width, so XLA
+# partitions the grouped matmul by expert: the tokens of the fsdp group are gathered, each
+# device multiplies the rows routed to its own experts, and the partial outputs are summed
+# over the group. Expert parallelism thus rides on the FSDP axis (as DeepSpeed-MoE's expert
+# groups ride on data parallelism); a dim that "fsdp" does not divide (8 experts on 16
+# devices) is replicated with a warning and the kernel falls back to FSDP on its D axis.
+_EXPERT_RULES: Rules = ((ax.EXPERT, "fsdp"),)
+
 # FSDP + tensor parallelism for training. Parameters are split on "fsdp" along the model
 # width (gathered per layer inside the step) and on "tensor" along heads / MLP / vocab;
 # the batch is split over both data-like axes.
 TRAIN: Rules = (
-    # parameters
-    (ax.VOCAB, "tensor"),
-    (ax.EMBED, "fsdp"),
-    (ax.HEADS, "tensor"),
-    (ax.KV_HEADS, "tensor"),
-    (ax.HEAD_DIM, None),
-    (ax.MLP, "tensor"),
-    (ax.LAYERS, None),
-    (ax.NORM, None),
-    (ax.POSITIONS, None),
-    (ax.SCALAR, None),
-    # activations
-    (ax.BATCH, ("data", "fsdp")),
-    (ax.LENGTH, None),
-    (ax.ACT_EMBED, None),
-    (ax.ACT_HEADS, "tensor"),
-    (ax.ACT_MLP, "tensor"),
-    (ax.ACT_VOCAB, "tensor"),
-) + _CACHE_RULES
+    _EXPERT_RULES
+    + (
+        # parameters
+        (ax.VOCAB, "tensor"),
+        (ax.EMBED, "fsdp"),
+        (ax.HEADS, "tensor"),
+        (ax.KV_HEADS, "tensor"),
+        (ax.HEAD_DIM, None),
+        (ax.MLP, "tensor"),
+        (ax.LAYERS, None),
+        (ax.NORM, None),
+        (ax.POSITIONS, None),
+        (ax.SCALAR, None),
+        # activations
+        (ax.BATCH, ("data", "fsdp")),
+        (ax.LENGTH, None),
+        (ax.ACT_EMBED, None),
+        (ax.ACT_HEADS, "tensor"),
+        (ax.ACT_MLP, "tensor"),
+        (ax.ACT_VOCAB, "tensor"),
+    )
+    + _CACHE_RULES
+)
 
 # Autoregressive decoding. Each step processes one token per row, so the per-layer
 # all-gathers of FSDP would be paid once per generated token on a tiny amount of compute.
 # Parameters therefore carry nothing on "fsdp" (replicated across it, still split on
 # "tensor"), and "fsdp" acts as a second data axis for the batch and the KV cache. The
 # price is memory: each fsdp replica holds a full tensor-parallel slice of the weights.
+# Experts are the exception: they stay split over "fsdp" (expert parallelism). An MoE's
+# experts are most of its weights but each token uses k of them, so replicating them would
+# multiply the largest part of the model by the fsdp size to save two small collectives per
+# layer and step (gathering the step's B x k routed rows over the fsdp group and summing
+# their outputs), which carry a few rows, not weights.
 GENERATE: Rules = (
-    # parameters
-    (ax.VOCAB, "tensor"),
-    (ax.EMBED, None),
-    (ax.HEADS, "tensor"),
-    (ax.KV_HEADS, "tensor"),
-    (ax.HEAD_DIM, None),
-    (ax.MLP, "tensor"),
-    (ax.LAYERS, None),
-    (ax.NORM, None),
-    (ax.POSITIONS, None),
-    (ax.SCALAR, None),
-    # activations
-    (ax.BATCH, ("data", "fsdp")),
-    (ax.LENGTH, None),
-    (ax.ACT_EMBED, None),
-    (ax.ACT_HEADS, "tensor"),
-    (ax.ACT_MLP, "tensor"),
-    (ax.ACT_VOCAB, "tensor"),
-) + _CACHE_RULES
+    _EXPERT_RULES
+    + (
+        # parameters
+        (ax.VOCAB, "tensor"),
+        (ax.EMBED, None),
+        (ax.HEADS, "tensor"),
+        (ax.KV_HEADS, "tensor"),
+        (ax.HEAD_DIM, None),
+        (ax.MLP, "tensor"),
+        (ax.LAYERS, None),
+        (ax.NORM, None),
+        (ax.POSITIONS, None),
+        (ax.SCALAR, None),
+        # activations
+        (ax.BATCH, ("data", "fsdp")),
+        (ax.LENGTH, None),
+        (ax.ACT_EMBED, None),
+        (ax.ACT_HEADS, "tensor"),
+        (ax.ACT_MLP, "tensor"),
+        (ax.ACT_VOCAB, "tensor"),
+    )
+    + _CACHE_RULES
+)
 
 # Forward-only scoring (reference logprobs, reward and value scores, the policy's own
 # logprobs before an update). Same layout as TRAIN, on purpose:

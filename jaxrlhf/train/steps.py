@@ -19,7 +19,6 @@ arrays, RL's typed ``LearnerBatch``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrlhf.models import axes
+from jaxrlhf.models import axes, moe
 from jaxrlhf.sharding.micro_batches import split_micro
 from jaxrlhf.sharding.rules import Rules, activation_sharding
 from jaxrlhf.train.state import TrainState
@@ -131,6 +130,20 @@ def _constrain(tree: Any, shardings: Any) -> Any:
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
+def _with_router_loss(loss_fn: LossFn, module: Any) -> Callable[[Any, Batch], Any]:
+    """MoE hook (jaxrlhf/models/moe.py): ``loss_fn`` plus ``router_aux_loss_coef`` times the
+    router's load-balancing loss, and router metrics (per-expert load); unchanged for dense
+    models, whose forwards capture nothing."""
+
+    def wrapped(params: Any, batch: Batch) -> tuple[jax.Array, LossAux]:
+        with moe.capture_router_logits() as routed:
+            loss, aux = loss_fn(module, params, batch)
+        loss, metrics = moe.add_router_loss(module.cfg, loss, aux.metrics, routed)
+        return loss, aux._replace(metrics=metrics)
+
+    return wrapped
+
+
 def accumulate_gradients(
     learner: Learner, params: Any, batch: Batch, *, num_micro: int, mesh: Mesh | None
 ) -> tuple[Any, LossAux]:
@@ -141,7 +154,8 @@ def accumulate_gradients(
     ``outputs`` come back with a single micro-batch only (None otherwise).
     """
     objective = learner.objective
-    grad_fn = jax.value_and_grad(functools.partial(objective.loss_fn, learner.module), has_aux=True)
+    loss_fn = _with_router_loss(objective.loss_fn, learner.module)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_micro == 1:
         (_, aux), grads = grad_fn(params, batch)
         return grads, aux
@@ -158,7 +172,7 @@ def accumulate_gradients(
         ), None
 
     abstract_metrics = jax.eval_shape(
-        lambda p, b: objective.loss_fn(learner.module, p, b)[1].metrics,
+        lambda p, b: loss_fn(p, b)[1].metrics,
         params,
         jax.tree.map(lambda x: x[0], micro),
     )

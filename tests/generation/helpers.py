@@ -12,16 +12,31 @@ from jaxrlhf.generation import Sampler
 from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gpt2")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "gpt2",
+    "mixtral",
+    "qwen3_moe",
+)
 
 
 @functools.cache
 def tiny_cfg(family: str) -> ModelConfig:
     # std-0.3 weights so that logits are spread (greedy has no near-ties) and errors show;
-    # a Mistral window shorter than prompt + response so the window mask matters.
-    return ModelConfig.tiny(
-        family, initializer_range=0.3, sliding_window=4 if family == "mistral" else None
-    )
+    # a Mistral window shorter than prompt + response so the window mask matters (Gemma 2/3's
+    # tiny configs have a window of 4 on their first layer; Phi-3 gets half-rotated heads).
+    overrides = {
+        "mistral": dict(sliding_window=4),
+        "phi3": dict(partial_rotary_factor=0.5),
+    }.get(family, {})
+    return ModelConfig.tiny(family, initializer_range=0.3, **overrides)
 
 
 @functools.cache

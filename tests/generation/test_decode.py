@@ -28,7 +28,8 @@ from tests.generation.helpers import FAMILIES, jit_forward, prompts, tiny_cfg, t
     [(f, 2, 1, 64) for f in FAMILIES]
     + [("llama", 1, 1, 0), ("mistral", 1, 1, 64), ("llama", 2, 1, 0), ("llama", 2, None, 0)]
     + [("gpt2", 2, None, 64), ("qwen2", 2, 2, 64), ("gemma", 1, 2, 0)]
-    + [("llama", 2, {"attn": None, "mlp": 2, "head": 2}, 64)],
+    + [("llama", 2, {"attn": None, "mlp": 2, "head": 2}, 64)]
+    + [("gemma2", 1, 1, 0), ("gemma3", 1, 2, 64), ("mixtral", 1, 2, 64), ("qwen3_moe", 1, None, 0)],
 )
 def test_decode_logits_equal_full_forward(family, n, shards, block):
     """Prefill a left-padded batch, feed fixed tokens one by one: the logits of every step
@@ -64,10 +65,10 @@ def test_decode_logits_equal_full_forward(family, n, shards, block):
     layers, head = jax.eval_shape(
         lambda p: decode_lib.decode_weights(p, cfg.num_layers, shards, block), params
     )
-    kernels = {**layers[0]["attn"], **layers[0]["mlp"]}
+    kernels = {**layers[0]["attn"], **layers[0].get("mlp", {})}  # (MoE layers: no "mlp")
     # Blocked: fused [S, M/b, D, b] (plain [D, S, M]); o and down [N/b, in, b] (plain 2-D).
     block_ndim = {"qkv_kernel": 4, "gate_up_kernel": 4, "o_kernel": 3, "down_kernel": 3}
-    blocked = {k for k, v in kernels.items() if block_ndim.get(k) == v.ndim}
+    blocked = {k for k, v in kernels.items() if k in block_ndim and block_ndim[k] == v.ndim}
     if head is not None and head.ndim == 3:
         blocked.add("head")
     if block and shards is not None:

@@ -47,11 +47,13 @@ def test_greedy_equals_no_cache_reference(family):
     np.testing.assert_array_equal(out.logprobs, 0.0)  # greedy: a point mass
 
 
-def test_logprobs_equal_training_forward_recompute():
-    """Plain temperature-1 sampling: the sampling and the model distribution coincide."""
-    cfg, params = tiny_cfg("llama"), tiny_params("llama")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_equal_training_forward_recompute(family):
+    """Plain temperature-1 sampling: the sampling and the model distribution coincide, and
+    the sampler's log-probs equal the training forward's, for every family."""
+    cfg, params = tiny_cfg(family), tiny_params(family)
     tokens, mask = prompts(cfg.vocab_size)
-    out = _np(sampler("llama").generate(params, tokens, mask, jax.random.key(3), SAMPLED))
+    out = _np(sampler(family).generate(params, tokens, mask, jax.random.key(3), SAMPLED))
     expected = np.asarray(token_logprobs(recompute_logits(cfg, params, out), out.tokens))
     np.testing.assert_allclose(out.model_logprobs, expected, atol=1e-4, rtol=0)
     np.testing.assert_allclose(out.logprobs, expected, atol=1e-4, rtol=0)

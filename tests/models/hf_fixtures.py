@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+_BASE = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 FAMILY_CASES = {
     "llama": dict(
         vocab_size=128,
@@ -72,18 +81,108 @@ FAMILY_CASES = {
         bos_token_id=0,
         eos_token_id=0,
     ),
+    # Llama 3.2: Llama 3.x RoPE scaling, tied embeddings, head_dim apart from D / N.
+    "llama3_2": _BASE
+    | dict(
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_theta=500.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # Qwen2 with use_sliding_window: layer 0 full, layer 1 sliding (max_window_layers=1).
+    "qwen2_sliding": _BASE | dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "qwen3": _BASE | dict(head_dim=16),
+    "qwen3_tied": _BASE | dict(head_dim=16, tie_word_embeddings=True, attention_bias=True),
+    # Gemma 2: soft-caps the random logits reach, query scale apart from head_dim, a window
+    # shorter than the test sequences on the first (sliding) of two layers.
+    "gemma2": _BASE
+    | dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0,
+    ),
+    # Gemma 3: q/k norms, a sliding layer with its own RoPE base, then a full layer with
+    # linear RoPE scaling.
+    "gemma3": _BASE
+    | dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    # Phi-3: fused qkv_proj and gate_up_proj; a window; half the head dims rotated.
+    "phi3": _BASE
+    | dict(sliding_window=4, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2),
+    "mixtral": _BASE | dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": _BASE
+    | dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen3_moe_norm": _BASE
+    | dict(
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+    ),
 }
+# The transformers family of each case.
+CASE_FAMILY = {
+    "llama3": "llama",
+    "llama3_2": "llama",
+    "qwen2_sliding": "qwen2",
+    "qwen3_tied": "qwen3",
+    "qwen3_moe_norm": "qwen3_moe",
+}
+NEW_FAMILY_CASES = (
+    "llama3_2",
+    "qwen2_sliding",
+    "qwen3",
+    "qwen3_tied",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen3_moe_norm",
+)
 
 
 def hf_classes(case: str, head: str = "lm"):
     import transformers as tf
 
-    family = "llama" if case == "llama3" else case
+    family = CASE_FAMILY.get(case, case)
     names = {
         "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaForSequenceClassification"),
         "mistral": ("MistralConfig", "MistralForCausalLM", "MistralForSequenceClassification"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
         "gemma": ("GemmaConfig", "GemmaForCausalLM", "GemmaForSequenceClassification"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
+        "gemma3": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            "Gemma3TextForSequenceClassification",
+        ),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", "Phi3ForSequenceClassification"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification"),
+        "qwen3_moe": (
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeForSequenceClassification",
+        ),
         "gpt2": ("GPT2Config", "GPT2LMHeadModel", "GPT2ForSequenceClassification"),
     }[family]
     return getattr(tf, names[0]), getattr(tf, names[1 if head == "lm" else 2])

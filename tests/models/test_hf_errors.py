@@ -90,12 +90,12 @@ def test_missing_and_extra_tensors(llama_dir):
 
 def test_unsupported_architecture(llama_dir):
     cfg = json.load(open(llama_dir / "config.json"))
-    cfg["model_type"] = "mixtral"
+    cfg["model_type"] = "deepseek_v3"
     (llama_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as e:
         load_hf(str(llama_dir))
     msg = _one_line(e)
-    assert "model_type 'mixtral' is not supported" in msg and "config.json" in msg
+    assert "model_type 'deepseek_v3' is not supported" in msg and "config.json" in msg
 
 
 @pytest.mark.parametrize(
@@ -161,3 +161,74 @@ def test_damaged_safetensors_header(tmp_path, header, expected):
         SafetensorsReader(str(tmp_path))
     msg = _one_line(e)
     assert msg.startswith(str(path)) and expected in msg
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (
+            {"model_type": "qwen3_moe", "mlp_only_layers": [0]},
+            "qwen3_moe with dense layers (mlp_only_layers=[0]) is not supported",
+        ),
+        ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "{'decoder_sparse_step': 2}"),
+        (
+            {"model_type": "gemma3_text", "use_bidirectional_attention": True},
+            "use_bidirectional_attention=true (an encoder) is not supported",
+        ),
+        (
+            {
+                "model_type": "phi3",
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+            },
+            "rope type 'longrope' is not supported",
+        ),
+        ({"model_type": "gemma3"}, "model_type 'gemma3' is not supported"),  # multimodal
+        (
+            {"model_type": "gemma2", "layer_types": ["full_attention"]},
+            "layer_types must list 2 of",
+        ),
+        ({"model_type": "llama", "sliding_window": 4}, "llama has no sliding-window attention"),
+        (
+            {"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3},
+            "num_experts_per_tok=3 must be in [1, num_experts=2]",
+        ),
+    ],
+)
+def test_new_family_configs_we_cannot_run_are_refused(config, expected):
+    """One-line errors, naming the file, for the options of the new families that jaxrlhf
+    does not implement (instead of different logits)."""
+    from jaxrlhf.models.hf_config import UnsupportedConfigError, from_hf_config
+
+    base = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with pytest.raises(UnsupportedConfigError) as e:
+        from_hf_config(base | config, source="ckpt/config.json")
+    message = _one_line(e)
+    assert expected in message and message.startswith("ckpt/config.json: ")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(layer_types=("full_attention",)), "layer_types has 1 entries for num_layers=2"),
+        (
+            dict(layer_types=("sliding_attention", "full_attention")),
+            "layer_types has sliding layers but no sliding_window",
+        ),
+        (dict(num_experts=2, num_experts_per_tok=3), "num_experts_per_tok=3 must be in"),
+        (dict(partial_rotary_factor=0.2), "rotates 1 of 8 head dims"),  # int(8 * 0.2)
+        (dict(attn_logit_softcap=0.0), "attn_logit_softcap must be > 0"),
+    ],
+)
+def test_model_config_checks(overrides, expected):
+    from jaxrlhf.models.config import ModelConfig
+
+    with pytest.raises(ValueError) as e:
+        ModelConfig.tiny("llama", **overrides)
+    assert expected in _one_line(e)

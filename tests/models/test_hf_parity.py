@@ -16,6 +16,7 @@ from jaxrlhf.models import model as M
 from jaxrlhf.models.hf_checkpoint import load_hf, save_hf
 from tests.models.hf_fixtures import (
     FAMILY_CASES,
+    NEW_FAMILY_CASES,
     hf_classes,
     hf_outputs,
     make_hf_model,
@@ -67,7 +68,7 @@ def jax_leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("case", ["llama", "gpt2"])
+@pytest.mark.parametrize("case", ["llama", "gpt2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral"])
 def test_scalar_head_matches_sequence_classifier(case, tmp_path):
     hf_model = make_hf_model(case, head="scalar", seed=2)
     hf_model.save_pretrained(tmp_path / "in")
@@ -95,8 +96,9 @@ def test_scalar_head_matches_sequence_classifier(case, tmp_path):
     )
 
 
-def test_sharded_checkpoint_with_index_loads(tmp_path):
-    hf_model = make_hf_model("gemma", seed=3)
+@pytest.mark.parametrize("case", ("gemma",) + NEW_FAMILY_CASES)
+def test_sharded_checkpoint_with_index_loads(case, tmp_path):
+    hf_model = make_hf_model(case, seed=3)
     hf_model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
     n_files = len(

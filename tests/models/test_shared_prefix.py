@@ -56,9 +56,11 @@ def _params(cfg, head="lm"):
     return M.init_params(cfg.replace(initializer_range=0.3), jax.random.key(0), head)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "gemma", "gemma2", "qwen3_moe"])
 def test_packed_logprobs_and_gradients_equal_unpacked(family):
-    cfg = ModelConfig.tiny(family, sliding_window=4 if family == "mistral" else None)
+    """Also Gemma 2 (a sliding and a full layer: the packed batch carries both masks, each
+    layer picks its own; soft-caps) and a dropless MoE (routing is per token)."""
+    cfg = ModelConfig.tiny(family, **({"sliding_window": 4} if family == "mistral" else {}))
     module, params = M.build(cfg), _params(cfg)
     tokens, mask, resp = _rollout(cfg.vocab_size)
 

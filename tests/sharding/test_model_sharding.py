@@ -58,10 +58,14 @@ def _mesh(shape):
 
 @pytest.mark.parametrize(
     "family, mesh_shape",
-    [("llama", m) for m in MESHES] + [("gpt2", (2, 2, 2))],
+    [("llama", m) for m in MESHES]
+    + [("gpt2", (2, 2, 2)), ("qwen3", (2, 2, 2)), ("gemma2", (1, 4, 2)), ("gemma3", (2, 2, 2))]
+    + [("phi3", (2, 2, 2)), ("mixtral", (1, 4, 2)), ("qwen3_moe", (2, 2, 2))],
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x,
 )
 def test_sharded_forward_and_step_equal_single_device(family, mesh_shape):
+    """Forward and one SGD step; for the MoEs with experts split over fsdp (expert
+    parallelism: 4 experts on 4 or 2 fsdp devices)."""
     cfg = _cfg(family)
     tokens, mask = _batch(cfg)
     params = M.init_params(cfg, jax.random.key(0))
@@ -101,6 +105,9 @@ def test_sharded_forward_and_step_equal_single_device(family, mesh_shape):
     )
     for leaf, sharding in zip(jax.tree.leaves(new_params), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    if cfg.num_experts:
+        gate = new_params["decoder"]["layers"]["moe"]["gate_kernel"]  # [L, E, D, F]
+        assert gate.sharding.spec == P(None, "fsdp", None, "tensor")
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
@@ -167,21 +174,35 @@ def test_generate_layout_forward_equals_train_layout():
     np.testing.assert_allclose(out["generate"], out["train"], atol=1e-5, rtol=0)
 
 
-def test_hf_checkpoint_loads_straight_into_shards(tmp_path):
+@pytest.mark.parametrize("case", ["qwen2", "qwen3_moe"])
+def test_hf_checkpoint_loads_straight_into_shards(case, tmp_path, monkeypatch):
+    """Each device reads its shards only: with 4 experts over fsdp 4 (and their width over
+    tensor 2), every expert's tensor is read by the 2 devices holding it, not by all 8."""
     pytest.importorskip("torch")
+    from jaxrlhf.models import safetensors_io
     from jaxrlhf.models.hf_checkpoint import load_hf
     from tests.models.hf_fixtures import hf_outputs, make_hf_model, padded_batch
 
-    hf_model = make_hf_model("qwen2", seed=7)
+    hf_model = make_hf_model(case, seed=7)
     hf_model.save_pretrained(tmp_path)
-    mesh = _mesh((2, 2, 2))
+    mesh = _mesh((2, 2, 2) if case == "qwen2" else (1, 4, 2))
     from jaxrlhf.models.hf_config import load_hf_config
 
+    reads: list[str] = []
+    get = safetensors_io.SafetensorsReader.get
+    monkeypatch.setattr(
+        safetensors_io.SafetensorsReader,
+        "get",
+        lambda self, key: reads.append(key) or get(self, key),
+    )
     cfg = load_hf_config(str(tmp_path))
     shardings = param_shardings(cfg, mesh, TRAIN)
     _, params = load_hf(str(tmp_path), shardings=shardings)
     for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding == sharding
+    if cfg.num_experts:
+        for j in range(cfg.num_experts):
+            assert reads.count(f"model.layers.1.mlp.experts.{j}.up_proj.weight") == 2
     tokens, mask = padded_batch(cfg.vocab_size, seed=7, lengths=(12, 9, 5, 12), total=12)
     module = build_sharded(cfg, mesh, TRAIN)
     batch = jax.device_put((tokens, mask), NamedSharding(mesh, P(("data", "fsdp"))))

@@ -49,9 +49,11 @@ def test_every_axis_has_a_rule(name):
 
 
 def test_generate_puts_no_parameter_on_fsdp():
+    """Except the experts of MoE layers, which stay split over fsdp (expert parallelism)."""
     for logical, mesh_axes in GENERATE:
-        if logical in ax.PARAM_AXES:
+        if logical in ax.PARAM_AXES and logical != ax.EXPERT:
             assert mesh_axes is None or "fsdp" not in mesh_axes, logical
+    assert dict(GENERATE)[ax.EXPERT] == dict(TRAIN)[ax.EXPERT] == "fsdp"
     assert dict(GENERATE)[ax.CACHE_BATCH] == ("data", "fsdp")
     assert dict(GENERATE)[ax.CACHE_HEADS] == "tensor"
     assert dict(GENERATE)[ax.CACHE_LENGTH] is None
@@ -307,3 +309,16 @@ def test_nnx_state_specs_and_paths():
 def test_malformed_rules_raise(rules):
     with pytest.raises(ShardingRuleError):
         validate_rules(rules)
+
+
+@pytest.mark.parametrize("rules", [TRAIN, GENERATE], ids=["train", "generate"])
+def test_experts_split_over_fsdp_or_fall_back_to_fsdp_on_width(rules):
+    """An MoE kernel [L, E, D, F] puts whole experts on fsdp devices (F on tensor); with
+    more fsdp devices than experts the experts are replicated and, in TRAIN, the width D
+    takes fsdp instead (plain FSDP)."""
+    spec = P(ax.LAYERS, ax.EXPERT, ax.EMBED, ax.MLP)
+    mesh = _mesh((1, 4, 2))
+    got = spec_to_mesh(spec, rules, shape=(2, 8, 32, 64), mesh=mesh)
+    assert got == P(None, "fsdp", None, "tensor")
+    got = spec_to_mesh(spec, rules, shape=(2, 2, 32, 64), mesh=mesh)  # 2 experts, fsdp 4
+    assert got == P(None, None, "fsdp" if rules is TRAIN else None, "tensor")
