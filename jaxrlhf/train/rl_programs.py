@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrlhf import losses
 from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.scoring import RolloutForward
@@ -107,8 +108,19 @@ class Scoring:
         kl_coef: jax.Array,
     ) -> Scored:
         """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` []."""
-        algo, resp = self.algo, rows.response_mask
         out = self.forwards(policy_params, ref_params, value_params, rows)
+        return self.advantages(out, rows.response_mask, scores, kl_coef)
+
+    def advantages(
+        self,
+        out: Scored,
+        response_mask: jax.Array,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+    ) -> Scored:
+        """The forwards' ``out`` of the whole rollout completed with the advantages (and
+        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []."""
+        algo, resp = self.algo, response_mask
         ref, old = out.ref_logprobs, out.old_logprobs
         if self.has_critic and out.old_values is None:  # the critic's update runs GAE
             rewards, m = rl_steps.ppo_token_rewards(
@@ -161,6 +173,11 @@ class RLPrograms:
       reference_shardings: the frozen reference's parameter shardings (score rules).
       reward_shardings: the reward model's parameter shardings, or None (a function).
       score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef) -> Scored``.
+      score_forwards: ``(policy_params, ref_params, value_params, rows) -> Scored`` of the
+        forwards alone (reference, old policy, critic) on any whole groups of rows: what
+        streaming runs on finished groups while the tail decodes.
+      score_advantages: ``(forwards, response_mask, scores, kl_coef) -> Scored``: the rest
+        of ``score`` once the whole rollout's forwards are in.
       reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
       update: ``(states, LearnerBatch, key) -> (states, UpdateOutput)``; the states tuple is
         ``(policy,)`` or ``(policy, value)`` and is donated.
@@ -179,8 +196,11 @@ class RLPrograms:
     reference_shardings: Any
     reward_shardings: Any | None
     score: Callable[..., Scored]
+    score_forwards: Callable[..., Scored]
+    score_advantages: Callable[..., Scored]
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
+    engine: Engine | None = None
 
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
@@ -377,12 +397,18 @@ def build_rl_programs(
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
+    params_sh = (
+        policy_sh.params,
+        param_shardings(model, mesh, rules_for("reference", "score")),
+        None if value_sh is None else value_sh.params,
+    )
+    sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
     return RLPrograms(
         algo=algo,
         layout=layout,
         model=model,
         mesh=mesh,
-        sampler=Sampler(model, generate_mesh, matmul_block=matmul_block),
+        sampler=sampler,
         sampling=sampling,
         policy=policy,
         value=value,
@@ -390,16 +416,24 @@ def build_rl_programs(
         value_shardings=value_sh,
         reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
         reward_shardings=reward_sh,
-        score=_score_program(
-            scoring,
-            cfg,
-            model,
-            (
-                policy_sh.params,
-                param_shardings(model, mesh, rules_for("reference", "score")),
-                None if value_sh is None else value_sh.params,
-            ),
+        score=_score_program(scoring, cfg, model, params_sh),
+        score_forwards=jax.jit(
+            scoring.forwards,
+            in_shardings=(*params_sh, RolloutRows(rows2, rows2, rows2)),
+            out_shardings=rows2,
         ),
+        score_advantages=jax.jit(scoring.advantages),
         reward=reward,
         update=update,
+        engine=_engine(algo, sampler),
     )
+
+
+def _engine(algo: PPOConfig | GRPOConfig, sampler: Sampler) -> Engine | None:
+    """The rollout engine of ``rollout.engine: continuous`` (its slots default to every row
+    the iteration starts)."""
+    r = algo.rollout
+    if r.engine != "continuous":
+        return None
+    slots = r.slots or r.started_prompts * r.num_samples
+    return Engine(sampler, slots=slots, chunk=r.chunk_tokens)
