@@ -475,7 +475,8 @@ class Engine:
           prompt_tokens, prompt_mask: [B, P] host arrays (every row one real token).
           key: the PRNG key; with the same key the static sampler samples the same rows.
           sampling: the sampling parameters (``max_new_tokens`` is T, the slots' width).
-          max_new_tokens: [B] per-prompt budgets <= T (None: T for every prompt).
+          max_new_tokens: budgets <= T, per prompt [B] or per sample row [B * n] (None: T
+            for every row).
           keep_groups: over-sampling: stop once this many prompts' groups have finished,
             cancelling the rest (None: all B).
           token_budget: stop admitting prompts once this many tokens have been decoded
@@ -539,12 +540,16 @@ class _Run:
         on_finished: Callable[[Finished], None] | None,
     ) -> None:
         batch = self.batch
-        budgets = (
-            np.full(batch, self.width) if max_new_tokens is None else np.asarray(max_new_tokens)
-        )
-        if budgets.shape != (batch,) or (budgets < 1).any() or (budgets > self.width).any():
-            raise ValueError(f"Engine: max_new_tokens must be {batch} values in [1, {self.width}]")
-        self.budgets = budgets.astype(np.int32)
+        rows = batch * self.n
+        given = max_new_tokens is not None
+        budgets = np.asarray(max_new_tokens) if given else np.full(rows, self.width)
+        if budgets.shape == (batch,):
+            budgets = np.repeat(budgets, self.n)
+        if budgets.shape != (rows,) or (budgets < 1).any() or (budgets > self.width).any():
+            raise ValueError(
+                f"Engine: max_new_tokens must be {batch} or {rows} values in [1, {self.width}]"
+            )
+        self.budgets = budgets.astype(np.int32)  # per sample row
         self.keep = batch if keep_groups is None else keep_groups
         if not 1 <= self.keep <= batch:
             raise ValueError(f"Engine: keep_groups={keep_groups} is not in [1, {batch}]")
@@ -599,7 +604,7 @@ class _Run:
             self.mask[index],
             dest,
             self.uniforms[rows],
-            np.repeat(self.budgets[index], self.n),
+            self.budgets[rows],
         )
 
     def _harvest(self, state: SlotState) -> SlotState:
