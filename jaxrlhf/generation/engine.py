@@ -633,6 +633,9 @@ class _Run:
         self.admit_batch = engine.slots // self.n  # groups per admission (a static shape)
         self.queue = list(range(batch))
         self.slot_group = np.full(engine.slots, -1)  # the prompt each slot serves
+        self.slot_row = np.full(engine.slots, -1)  # and its sample's row
+        self.collected: dict[int, list[Finished]] = {}  # finished samples of running groups
+        self.collected_tokens = 0
         self.finished: list[Finished] = []
         self.kept: list[int] = []
         self.generated = 0
@@ -687,7 +690,8 @@ class _Run:
                 state = fn(self.params, state, self.arrays, ids)
             self.chunks += 1
             state = self._harvest(state)
-        aborted = int(len(self.queue) + len({g for g in self.slot_group if g >= 0}))
+        started = {int(g) for g in self.slot_group if g >= 0} | set(self.collected)
+        aborted = len(self.queue) + len(started)
         aborted += max(0, len(self.kept) - self.keep)
         keep = sorted(self.kept[: self.keep])
         finished = _concat(self.finished, self.width)
@@ -730,6 +734,7 @@ class _Run:
         rows = (index[:, None] * self.n + np.arange(self.n)).reshape(-1)
         for g, p in enumerate(prompts):
             self.slot_group[free[g * self.n : (g + 1) * self.n]] = p
+            self.slot_row[free[g * self.n : (g + 1) * self.n]] = p * self.n + np.arange(self.n)
         self.slot_done[free[: groups * self.n]] = False
         self.slot_step[free[: groups * self.n]] = 0
         fn = self.engine.admit_program(self.n, a, self.prompt_len, self.width)
@@ -744,21 +749,18 @@ class _Run:
         )
 
     def _harvest(self, state: SlotState) -> SlotState:
-        """Hands out every group whose samples are all done; frees their slots."""
+        """Reads every finished sample out of its slot and frees the slot at once (its
+        group's other samples may still run); hands out every group whose samples are all
+        read."""
         done, step = jax.device_get((state.done, state.step))
         running = self.slot_group >= 0
-        self.generated = int(step[running].sum()) + sum(int(f.lengths.sum()) for f in self.finished)
         if self.stop_strings:
             done, state = self._stop_strings(state, done, running)
         self.slot_done, self.slot_step = np.array(done), np.array(step)
-        ready = []
-        for group in sorted({int(g) for g in self.slot_group[running]}):
-            slots = np.flatnonzero(self.slot_group == group)
-            if done[slots].all():
-                ready.append((group, slots))
-        if not ready:
+        self.generated = int(step[running].sum()) + self.collected_tokens
+        slots = np.flatnonzero(running & self.slot_done)
+        if len(slots) == 0:
             return state
-        slots = np.concatenate([s for _, s in ready])
         host = jax.device_get(
             (
                 state.tokens[slots],
@@ -769,11 +771,10 @@ class _Run:
             )
         )
         tokens, logprobs, model_lp, lengths, stopped = (np.asarray(x) for x in host)
-        rows = np.concatenate([g * self.n + np.arange(self.n) for g, _ in ready])
         mask = np.arange(self.width)[None, :] < lengths[:, None]
         pad = self.sampling.pad_token_id
-        finished = Finished(
-            rows=rows,
+        samples = Finished(
+            rows=self.slot_row[slots].copy(),
             tokens=np.where(mask, tokens, pad),
             response_mask=mask,
             logprobs=np.where(mask, logprobs, 0.0).astype(np.float32),
@@ -781,9 +782,22 @@ class _Run:
             lengths=lengths.astype(np.int32),
             stopped=stopped,
         )
-        self.finished.append(finished)
-        self.kept.extend(g for g, _ in ready)
+        self.collected_tokens += int(samples.lengths.sum())
+        groups = self.slot_group[slots].copy()
         self.slot_group[slots] = -1
+        self.slot_row[slots] = -1
+        for i, group in enumerate(groups):
+            self.collected.setdefault(int(group), []).append(
+                jax.tree.map(lambda x, i=i: x[i : i + 1], samples)
+            )
+        ready = sorted(g for g in set(groups.tolist()) if len(self.collected[g]) == self.n)
+        if not ready:
+            return state
+        finished = _concat([part for g in ready for part in self.collected.pop(g)], self.width)
+        order = np.argsort(finished.rows, kind="stable")  # groups in order, samples in order
+        finished = jax.tree.map(lambda x: x[order], finished)
+        self.finished.append(finished)
+        self.kept.extend(ready)
         if self.on_finished is not None:
             self.on_finished(finished)
         return state
