@@ -26,6 +26,14 @@ Stopping: stop token ids end a row on device; stop strings (decoded text) are ch
 host between chunks, and a row that completed one is cut right after it (tokens it decoded
 past the string in the same chunk are dropped). Per-request ``max_new_tokens`` is the slot's
 budget. :class:`Engine` adds a total token budget and over-sampling with abort on the host.
+
+Multi-turn episodes (``environments``; ``engine_episodes.py``): a slot whose turn ended waits
+(``done``) while the others decode; its environment steps on a host thread; the observation
+is written into the slot's ``forced`` tokens and fed through the following decode steps (one
+token per step, appended to the slot's cache like sampled ones, nothing re-prefilled), then
+the model samples its next turn. A multi-token append prefill would feed a long observation
+in fewer steps; observations of tool results are short, and feeding them in the decode steps
+keeps every program's shape and the per-row random numbers unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import flax.struct
@@ -45,6 +54,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation import decode as decode_lib
 from jaxrlhf.generation.cache import DecodeCache, cache_nbytes
+from jaxrlhf.generation.engine_episodes import EpisodeSteps
+from jaxrlhf.generation.environment import Episode, Episodes
 from jaxrlhf.generation.params import SamplingParams, SamplingStatics
 from jaxrlhf.generation.sampler import Sampler
 from jaxrlhf.generation.sampling import draw_uniforms, next_tokens
@@ -71,6 +82,8 @@ class SlotState:
       stopped: [S] bool: the request ended on a stop token.
       budget: [S] int32 the request's ``max_new_tokens``.
       uniforms: [S, T] float32 the request's random numbers (its row of ``draw_uniforms``).
+      forced: [S, T] int32 tokens fed instead of sampled at those steps (an environment's
+        observation; log-prob 0, never a stop), -1 where the model samples.
     """
 
     cache: DecodeCache
@@ -87,6 +100,7 @@ class SlotState:
     stopped: jax.Array
     budget: jax.Array
     uniforms: jax.Array
+    forced: jax.Array
 
     @staticmethod
     def logical_axes(num_layers: int) -> SlotState:
@@ -106,6 +120,7 @@ class SlotState:
             stopped=rows,
             budget=rows,
             uniforms=rows_t,
+            forced=rows_t,
         )
 
 
@@ -137,6 +152,7 @@ def empty_state(cfg: ModelConfig, slots: int, prompt_len: int, max_new_tokens: i
         stopped=jnp.zeros((s,), bool),
         budget=jnp.ones((s,), jnp.int32),
         uniforms=jnp.ones((s, t), jnp.float32),
+        forced=jnp.full((s, t), -1, jnp.int32),
     )
 
 
@@ -200,16 +216,43 @@ def admit(
         stopped=set_rows(state.stopped, jnp.zeros(dest.shape, bool)),
         budget=set_rows(state.budget, budget),
         uniforms=set_rows(state.uniforms, uniforms),
+        forced=set_rows(state.forced, jnp.full(zeros.shape, -1, jnp.int32)),
     )
 
 
 def finish_slots(state: SlotState, slots: Int[Array, " F"], lengths: Int[Array, " F"]) -> SlotState:
-    """Ends the requests in ``slots`` at ``lengths`` tokens, as stopped (a stop string)."""
+    """Ends the requests in ``slots`` at ``lengths`` tokens, as stopped (a stop string).
+
+    Every sampled token was fed (``positions`` counts them), so the positions step back by
+    the tokens dropped: a multi-turn slot resumes right after the cut (the cache columns
+    past it are overwritten before any query sees them)."""
     return state.replace(
+        positions=state.positions.at[slots].add(lengths - state.step[slots]),
         lengths=state.lengths.at[slots].set(lengths),
         step=state.step.at[slots].set(lengths),
         done=state.done.at[slots].set(True),
         stopped=state.stopped.at[slots].set(True),
+    )
+
+
+def resume_slots(
+    state: SlotState,
+    slots: Int[Array, " S"],
+    forced: Int[Array, "S T"],
+    budget: Int[Array, " S"],
+) -> SlotState:
+    """Restarts the (done) multi-turn requests in ``slots`` (an index >= S: padding, dropped)
+    with their forced tokens (the observation after the turn) and their next budget; the
+    cache, step and positions carry on where the turn ended."""
+
+    def put(x, value):
+        return x.at[slots].set(value.astype(x.dtype), mode="drop")
+
+    return state.replace(
+        forced=put(state.forced, forced),
+        budget=put(state.budget, budget),
+        done=put(state.done, jnp.zeros(slots.shape, bool)),
+        stopped=put(state.stopped, jnp.zeros(slots.shape, bool)),
     )
 
 
@@ -226,8 +269,13 @@ def sample_slots(
     uniform = jnp.take_along_axis(state.uniforms, state.step[:, None], axis=1, mode="clip")[:, 0]
     tokens, logprobs, model_lp = next_tokens(state.logits, uniform, arrays, statics)
     active = ~state.done
-    tokens = jnp.where(active, tokens, arrays["pad_id"])
-    is_stop = active & (tokens[:, None] == arrays["stop_ids"][None, :]).any(-1)
+    forced = jnp.take_along_axis(state.forced, state.step[:, None], axis=1, mode="clip")[:, 0]
+    is_forced = forced >= 0
+    tokens = jnp.where(active, jnp.where(is_forced, forced, tokens), arrays["pad_id"])
+    logprobs = jnp.where(is_forced, 0.0, logprobs)
+    if model_lp is not None:
+        model_lp = jnp.where(is_forced, 0.0, model_lp)
+    is_stop = active & ~is_forced & (tokens[:, None] == arrays["stop_ids"][None, :]).any(-1)
     column = jnp.where(active, state.step, state.tokens.shape[1])  # inactive: dropped
     step = state.step + active
     return state.replace(
@@ -251,7 +299,9 @@ def forward_slots(
 ) -> SlotState:
     """Feeds each slot's last sampled token (written at generated slot ``step - 1``) and
     stores its next logits. Slots that were not running before this step's sample keep their
-    state (their cache column and logits are rewritten with values nobody reads)."""
+    state: their cache write goes to a column past the end (dropped), so a multi-turn slot
+    waiting for its observation keeps its last token's keys and values."""
+    moved = ~prev_done
     last = jnp.maximum(state.step - 1, 0)
     tokens = jnp.take_along_axis(state.tokens, last[:, None], axis=1)[:, 0]
     logits, cache = decode_lib.decode_step(
@@ -262,11 +312,10 @@ def forward_slots(
         tokens,
         state.positions,
         state.cache,
-        last,
+        jnp.where(moved, last, state.tokens.shape[1]),
         state.prefix_mask,
         state.prefix_positions,
     )
-    moved = ~prev_done
     return state.replace(
         logits=jnp.where(moved[:, None], logits, state.logits),
         cache=cache,
@@ -306,6 +355,11 @@ class Finished:
       response_mask: [F, T] the response tokens (the stop token included).
       logprobs, model_logprobs: [F, T] float32, 0 outside the response.
       lengths: [F] response lengths; stopped: [F] ended on a stop token or string.
+      sequence_mask: [F, T] every real token of the response: the model's and, in
+        multi-turn episodes, the environment's observations (``response_mask`` holds the
+        model's alone: the loss mask).
+      rewards, turns, observations, errors: [F] multi-turn episodes' summed rewards, model
+        turns, observations and environment errors (None without an environment).
     """
 
     rows: np.ndarray
@@ -315,6 +369,11 @@ class Finished:
     model_logprobs: np.ndarray
     lengths: np.ndarray
     stopped: np.ndarray
+    sequence_mask: np.ndarray
+    rewards: np.ndarray | None = None
+    turns: np.ndarray | None = None
+    observations: np.ndarray | None = None
+    errors: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +386,7 @@ class EngineOutput:
       aborted_groups: prompts started (or queued) and cancelled (over-sampling, budget).
       generated_tokens: tokens decoded in all, aborted samples' included.
       chunks: decode chunks run.
+      episode_info: each kept multi-turn row's summed ``Step.info`` counters.
     """
 
     finished: Finished
@@ -334,6 +394,7 @@ class EngineOutput:
     aborted_groups: int
     generated_tokens: int
     chunks: int
+    episode_info: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 class Engine:
@@ -425,6 +486,22 @@ class Engine:
 
         return self._program("finish", (prompt_len, max_new_tokens), build)
 
+    def resume_program(self, prompt_len: int, max_new_tokens: int) -> Any:
+        """Jitted :func:`resume_slots` (an observation arrived on the host)."""
+
+        def build():
+            sh = self.state_shardings(prompt_len, max_new_tokens)
+            if sh is None:
+                return jax.jit(resume_slots, donate_argnums=0)
+            return jax.jit(
+                resume_slots,
+                in_shardings=(sh, None, None, None),
+                out_shardings=sh,
+                donate_argnums=0,
+            )
+
+        return self._program("resume", (prompt_len, max_new_tokens), build)
+
     def chunk_program(self, statics: SamplingStatics, prompt_len: int) -> Any:
         """Jitted :func:`decode_chunk`; the state donated (updated in place)."""
 
@@ -467,6 +544,7 @@ class Engine:
         stop_strings: Sequence[str] = (),
         decode: Callable[[np.ndarray], str] | None = None,
         on_finished: Callable[[Finished], None] | None = None,
+        environments: Episodes | None = None,
     ) -> EngineOutput:
         """Samples ``sampling.n`` continuations of prompts, admitting them in order.
 
@@ -485,16 +563,23 @@ class Engine:
             ``decode``: token ids -> text).
           on_finished: called with each batch of newly finished whole groups, between
             chunks (the RL loop scores them there while the tail decodes).
+          environments: multi-turn episodes (``jaxrlhf.generation.environment``): each
+            sample is an episode whose turns end on a stop or a turn budget; the turn goes
+            to its environment on a host thread while the other slots decode, and the
+            observation is fed into the slot's cache (one decode step per token, the same
+            steps the other slots decode in: nothing is re-prefilled) before the next turn.
+            A sample's budget is its episode's. Stop strings end turns.
 
         Returns:
           The kept groups' samples (ordered by row) and the run's counts.
         """
         run = _Run(self, params, prompt_tokens, prompt_mask, key, sampling)
         run.configure(max_new_tokens, keep_groups, token_budget, stop_strings, decode, on_finished)
+        run.env = environments
         return run.run()
 
 
-class _Run:
+class _Run(EpisodeSteps):
     """One :meth:`Engine.generate` call's host bookkeeping (no Python per token)."""
 
     def __init__(
@@ -529,6 +614,11 @@ class _Run:
         self.kept: list[int] = []
         self.generated = 0
         self.chunks = 0
+        self.decoding = np.zeros(engine.slots, bool)  # admitted or resumed, not yet done
+        self.env: Episodes | None = None
+        self.episodes: dict[int, Episode] = {}  # slot -> its episode
+        self.waiting: dict[int, tuple[Future, float]] = {}  # slot -> (its step, deadline)
+        self.episode_info: dict[int, dict[str, float]] = {}
 
     def configure(
         self,
@@ -566,8 +656,11 @@ class _Run:
             state = self._admit(state)
             if not (self.slot_group >= 0).any():  # nothing running, nothing admissible
                 break
-            state = chunk_fn(self.params, state, self.arrays)
-            self.chunks += 1
+            if self.decoding.any():
+                state = chunk_fn(self.params, state, self.arrays)
+                self.chunks += 1
+            else:  # every running slot waits for its environment
+                self._wait_env()
             state = self._harvest(state)
         aborted = int(len(self.queue) + len({g for g in self.slot_group if g >= 0}))
         aborted += max(0, len(self.kept) - self.keep)
@@ -577,7 +670,8 @@ class _Run:
         finished = jax.tree.map(lambda x: x[order], finished)
         chosen = np.isin(finished.rows // self.n, keep)
         finished = jax.tree.map(lambda x: x[chosen], finished)
-        return EngineOutput(finished, np.asarray(keep), aborted, self.generated, self.chunks)
+        info = {int(r): self.episode_info[int(r)] for r in finished.rows if self.env is not None}
+        return EngineOutput(finished, np.asarray(keep), aborted, self.generated, self.chunks, info)
 
     def _admit(self, state: SlotState) -> SlotState:
         """Starts queued prompts in free slots (in order, whole groups), unless the token
@@ -596,6 +690,13 @@ class _Run:
         rows = (index[:, None] * self.n + np.arange(self.n)).reshape(-1)
         for g, p in enumerate(prompts):
             self.slot_group[free[g * self.n : (g + 1) * self.n]] = p
+        budgets = self.budgets[rows].copy()
+        if self.env is not None:  # the first turn's budget
+            for k, slot in enumerate(dest[: groups * self.n]):
+                episode = self.env.start(prompts[k // self.n], int(budgets[k]))
+                self.episodes[int(slot)] = episode
+                budgets[k] = episode.budget()
+        self.decoding[dest[: groups * self.n]] = True
         fn = self.engine.admit_program(self.n, a, self.prompt_len, self.width)
         return fn(
             self.params,
@@ -604,7 +705,7 @@ class _Run:
             self.mask[index],
             dest,
             self.uniforms[rows],
-            self.budgets[rows],
+            budgets,
         )
 
     def _harvest(self, state: SlotState) -> SlotState:
@@ -612,8 +713,15 @@ class _Run:
         done, step = jax.device_get((state.done, state.step))
         running = self.slot_group >= 0
         self.generated = int(step[running].sum()) + sum(int(f.lengths.sum()) for f in self.finished)
+        decoding = running & self.decoding
         if self.stop_strings:
-            done, state = self._stop_strings(state, done, running)
+            done, state = self._stop_strings(state, done, decoding)
+        self.decoding &= ~done
+        if self.env is not None:
+            state = self._env_turns(state, np.flatnonzero(decoding & done))
+            done = np.array(
+                [s in self.episodes and self.episodes[s].ended for s in range(len(done))]
+            )
         ready = []
         for group in sorted({int(g) for g in self.slot_group[running]}):
             slots = np.flatnonzero(self.slot_group == group)
@@ -643,7 +751,10 @@ class _Run:
             model_logprobs=np.where(mask, model_lp, 0.0).astype(np.float32),
             lengths=lengths.astype(np.int32),
             stopped=stopped,
+            sequence_mask=mask,
         )
+        if self.env is not None:
+            finished = self._episodes_out(finished, slots)
         self.finished.append(finished)
         self.kept.extend(g for g, _ in ready)
         self.slot_group[slots] = -1
@@ -658,15 +769,18 @@ class _Run:
         right after the first token that completes one (tokens decoded past it are dropped);
         returns the updated done flags and state."""
         slots = np.flatnonzero(running)
+        if not len(slots):
+            return done, state
         tokens, lengths = jax.device_get((state.tokens[slots], state.lengths[slots]))
         cut_slots, cut_lengths = [], []
         for slot, row, length in zip(slots, np.asarray(tokens), np.asarray(lengths), strict=True):
-            if not any(s in self.decode(row[:length]) for s in self.stop_strings):
+            start = self.episodes[slot].start if slot in self.episodes else 0  # this turn's
+            if not any(s in self.decode(row[start:length]) for s in self.stop_strings):
                 continue
             end = next(
                 k
-                for k in range(1, length + 1)
-                if any(s in self.decode(row[:k]) for s in self.stop_strings)
+                for k in range(start + 1, length + 1)
+                if any(s in self.decode(row[start:k]) for s in self.stop_strings)
             )
             cut_slots.append(slot)
             cut_lengths.append(end)
@@ -690,5 +804,6 @@ def _concat(parts: list[Finished], width: int) -> Finished:
             empty.astype(np.float32),
             np.zeros(0, np.int32),
             np.zeros(0, bool),
+            empty.astype(bool),
         )
     return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)

@@ -200,16 +200,20 @@ class Episode:
         self.observations: list[tuple[int, int]] = []  # [start, end) columns
         self.rewards: list[float] = []
         self.info: dict[str, float] = {}
-        self.tail: list[int] = []  # an error observation after the last turn
+        self.error_ids: list[int] = []  # an error observation after the last turn
         self.errors = 0
         self.ended = False
         self.length = 0
         self.pending_turn: Turn | None = None
+        self.stopped = False  # the last turn ended on a stop (else on a budget)
         if error is not None:  # the environment could not even be built
             self._fail(error, 0)
 
     def budget(self) -> int:
-        """The column at which the current turn must stop."""
+        """The column at which the current turn must stop (one token for an episode whose
+        environment could not be built)."""
+        if self.ended:
+            return min(self.width, self.start + 1)
         if self.cfg.turn_tokens is None:
             return self.width
         return min(self.width, self.start + self.cfg.turn_tokens)
@@ -218,7 +222,7 @@ class Episode:
         """The turn in ``row[start:length]`` (a response row's ids), as the environment
         sees it."""
         ids = tuple(int(i) for i in row[self.start : length])
-        self.length = length
+        self.length, self.stopped = length, stopped
         self.turns += 1
         last = self.turns >= self.cfg.max_turns or length + 2 > self.width
         turn = Turn(self.decode(ids), ids, self.turns - 1, stopped, last)
@@ -256,9 +260,12 @@ class Episode:
         self.errors += 1
         self.rewards = [0.0]
         self.ended = True
-        ids = self.encode_observation(f"environment error: {message}")
-        self.tail = ids[: max(0, self.width - length)]
+        self.error_ids = self.encode_observation(f"environment error: {message}")
         return None
+
+    def tail(self, length: int) -> list[int]:
+        """The error observation's ids that fit after ``length`` columns ([] if none)."""
+        return self.error_ids[: max(0, self.width - length)]
 
     @property
     def reward(self) -> float:
@@ -268,11 +275,40 @@ class Episode:
         """``(model_mask, sequence_mask)`` [width] of the finished episode of ``length``
         sampled-or-forced columns: model tokens, and every real token (observations and an
         error tail included)."""
-        seq = np.arange(self.width) < length + len(self.tail)
+        seq = np.arange(self.width) < length + len(self.tail(length))
         model = np.arange(self.width) < length
         for a, b in self.observations:
             model[a:b] = False
         return model, seq
+
+
+@dataclasses.dataclass(frozen=True)
+class Episodes:
+    """What the engine needs to run one batch of prompts' episodes.
+
+    Attributes:
+      make_env: ``record -> Environment`` (:func:`resolve_environment`).
+      records: each prompt's dataset record, in the prompt batch's order.
+      cfg: the per-episode limits.
+      encode_observation: observation text -> ids (:func:`observation_ids`).
+      decode: ids -> text (the turn's text for the environment).
+    """
+
+    make_env: EnvFactory
+    records: Sequence[dict[str, Any]]
+    cfg: EpisodeConfig
+    encode_observation: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+
+    def start(self, prompt: int, width: int) -> Episode:
+        """A new episode of prompt ``prompt`` in ``width`` columns (an environment whose
+        constructor raises gives an episode that ends after its first turn with an error)."""
+        env, error = None, None
+        try:
+            env = self.make_env(dict(self.records[prompt]))
+        except Exception as e:  # noqa: BLE001  the environment's code
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        return Episode(env, width, self.cfg, self.encode_observation, self.decode, error)
 
 
 def run_episode(
@@ -297,7 +333,7 @@ def run_episode(
         row += ids
     length = len(row)
     model, seq = episode.masks(length)
-    return row + episode.tail, model, seq
+    return row + episode.tail(length), model, seq
 
 
 def wait_for(future: Future, deadline: float) -> Step | BaseException | None:
