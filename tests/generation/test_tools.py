@@ -73,7 +73,8 @@ def _call(name, **args):
         (_call("nope"), "error: unknown tool 'nope'; tools: add, boom, hang, junk, long, nan"),
         (
             _call("add", a=1),
-            "error: add raised TypeError: <lambda>() missing 1 required positional argument: 'b'",
+            "error: add raised TypeError: Env.<lambda>() missing 1 required positional "
+            "argument: 'b'",
         ),
         (
             "<tool_call>{oops}</tool_call>",
