@@ -153,10 +153,15 @@ def perturb(answer: str, rng: np.random.Generator) -> str:
     return "".join(s)
 
 
-def _tool_fraction() -> float:
-    from jaxrlhf.data.tool_task import TOOL_SFT_FRACTION
+TOOL_SFT_FRACTION = 0.25  # calc SFT records that show the calculator tool
 
-    return TOOL_SFT_FRACTION
+
+def tool_use_response(a: int, b: int) -> str:
+    """A calc SFT response that calls the ``calculator`` tool (compact Qwen-style JSON),
+    reads its answer (framed as ``generation.environment.NO_TEMPLATE_OBSERVATION``, what
+    ``tool_task.CalculatorEnv`` answers through the character tokenizer), then answers."""
+    call = '{"name":"calculator","arguments":{"expression":"' + f"{a}+{b}" + '"}}'
+    return f"<tool_call>{call}</tool_call><tool_response>{a + b}</tool_response>{a + b}"
 
 
 def _candidate(answer: str, rng: np.random.Generator) -> str:
@@ -197,9 +202,7 @@ def builtin_records(
         prompt, answer = make_problem(task, rng)
         if prompt in excluded:
             continue
-        if kind == "sft" and task == "calc" and rng.random() < _tool_fraction():
-            from jaxrlhf.data.tool_task import tool_use_response  # imports generation
-
+        if kind == "sft" and task == "calc" and rng.random() < TOOL_SFT_FRACTION:
             a, b = (int(x) for x in _CALC.search(prompt).groups())
             records.append({"prompt": prompt, "response": tool_use_response(a, b)})
         elif kind == "sft":

@@ -19,11 +19,18 @@ from __future__ import annotations
 import json
 import re
 
-from jaxrlhf.data.tasks import grade_add
+from jaxrlhf.data.tasks import TOOL_SFT_FRACTION, grade_add, tool_use_response
 from jaxrlhf.generation.environment import NO_TEMPLATE_OBSERVATION
 from jaxrlhf.generation.tools import ToolEnv
 
-TOOL_SFT_FRACTION = 0.25
+__all__ = [
+    "NO_TEMPLATE_OBSERVATION",
+    "TOOL_SFT_FRACTION",
+    "CalculatorEnv",
+    "calculator",
+    "tool_call",
+    "tool_use_response",
+]
 STOP = "</tool_call>"  # ends the model's tool-call turn (rollout.stop_strings)
 _EXPR = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
 
@@ -47,13 +54,8 @@ def tool_call(expression: str) -> str:
     return f"<tool_call>{json.dumps(body, separators=(',', ':'))}</tool_call>"
 
 
-def tool_use_response(a: int, b: int) -> str:
-    """An SFT response that calls the tool, reads its answer, then answers."""
-    result = calculator(f"{a}+{b}")
-    return tool_call(f"{a}+{b}") + NO_TEMPLATE_OBSERVATION.format(result) + result
-
-
 class CalculatorEnv(ToolEnv):
+    # its observations are NO_TEMPLATE_OBSERVATION-framed results, as tool_use_response shows
     """The ``calc`` task's environment: a ``calculator`` tool; the final answer graded
     against the record's ``answer`` (``tasks.grade_add``, partial credit per digit)."""
 
