@@ -107,8 +107,10 @@ def _reference(cfg, params, tokens, mask, key, sampling):
     return out
 
 
-def _engine_out(sampler, params, tokens, mask, key, environments=None, slots=4, chunk=4):
-    return Engine(sampler, slots=slots, chunk=chunk).generate(
+def _engine_out(
+    sampler, params, tokens, mask, key, environments=None, slots=4, chunk=4, views=True
+):
+    return Engine(sampler, slots=slots, chunk=chunk, views=views).generate(
         params, tokens, mask, key, _sampling(), environments=environments or _episodes()
     )
 
@@ -134,6 +136,37 @@ def test_multiturn_equals_fresh_prompts_with_the_whole_history(setup):
     assert (f.turns >= 1).all() and (f.errors == 0).all()
     assert out.episode_info[0]["obs"] == f.observations[0]
     assert not f.response_mask[~f.sequence_mask].any()  # the loss mask is inside the sequence
+
+
+@pytest.mark.parametrize("data,tensor", [(1, 1), (4, 2)])
+def test_multiturn_views_decode_what_the_whole_state_decodes(setup, data, tensor):
+    """Chunks on views (the decoding slots: admitted or fed an observation; waiting slots
+    left out; the cache cut to ``step + chunk``) give the whole-state chunks' episodes. With
+    chunk 2 the widths are 15 and 30, so early chunks run on a cut cache."""
+    cfg, params, tokens, mask = setup
+    key = jax.random.key(9)
+    sampler, placed, slots = Sampler(cfg), params, 4
+    if data > 1:
+        sampler = Sampler(cfg, make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor)))
+        placed, slots = jax.device_put(params, sampler.param_shardings), 8
+    outs, used = {}, set()
+    for views in (True, False):
+        engine = Engine(sampler, slots=slots, chunk=2, views=views)
+        outs[views] = engine.generate(
+            placed, tokens, mask, key, _sampling(), environments=_episodes()
+        ).finished
+        if views:
+            used = {(k[-2], k[-1]) for k in engine._jitted if k[0] == "view"}
+    assert any(width < T for _, width in used)  # some chunks ran on a cut cache
+    assert any(rows < slots // data for rows, _ in used)  # and on fewer slots
+    a, b = outs[True], outs[False]
+    assert (a.observations > 0).sum() >= 4
+    np.testing.assert_array_equal(a.rows, b.rows)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.response_mask, b.response_mask)
+    np.testing.assert_array_equal(a.sequence_mask, b.sequence_mask)
+    np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
 
 
 def test_sharded_multiturn_equals_one_device(setup):
