@@ -153,15 +153,15 @@ def perturb(answer: str, rng: np.random.Generator) -> str:
     return "".join(s)
 
 
-TOOL_SFT_FRACTION = 0.25  # calc SFT records that show the calculator tool
+TOOL_SFT_FRACTION = 0.4  # calc SFT records that show the calculator tool
 
 
 def tool_use_response(a: int, b: int) -> str:
-    """A calc SFT response that calls the ``calculator`` tool (compact Qwen-style JSON),
-    reads its answer (framed as ``generation.environment.NO_TEMPLATE_OBSERVATION``, what
-    ``tool_task.CalculatorEnv`` answers through the character tokenizer), then answers."""
-    call = '{"name":"calculator","arguments":{"expression":"' + f"{a}+{b}" + '"}}'
-    return f"<tool_call>{call}</tool_call><tool_response>{a + b}</tool_response>{a + b}"
+    """A calc SFT response that calls the ``calculator`` tool in the task's short syntax
+    (``<calc>a+b</calc>``, ``tool_task.CalculatorEnv``), reads its answer (framed as
+    ``generation.environment.NO_TEMPLATE_OBSERVATION``, what the environment answers through
+    the character tokenizer), then answers."""
+    return f"<calc>{a}+{b}</calc><tool_response>{a + b}</tool_response>{a + b}"
 
 
 def _candidate(answer: str, rng: np.random.Generator) -> str:

@@ -132,8 +132,12 @@ class ToolEnv:
         except ValueError as e:
             return f"error: {e}"
 
+    def parse_calls(self, text: str) -> list[ToolCall]:
+        """The calls in a model turn: :func:`parse_tool_calls` (a subclass may add a syntax)."""
+        return parse_tool_calls(text)
+
     def step(self, turn: Turn) -> Step:
-        calls = parse_tool_calls(turn.text)
+        calls = self.parse_calls(turn.text)
         if not calls:
             return Step(reward=float(self.score(turn.text)), info={"tool_calls": 0.0})
         self.calls += len(calls)
