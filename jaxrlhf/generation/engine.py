@@ -26,6 +26,14 @@ Stopping: stop token ids end a row on device; stop strings (decoded text) are ch
 host between chunks, and a row that completed one is cut right after it (tokens it decoded
 past the string in the same chunk are dropped). Per-request ``max_new_tokens`` is the slot's
 budget. :class:`Engine` adds a total token budget and over-sampling with abort on the host.
+
+Multi-turn episodes (``environments``; ``engine_episodes.py``): a slot whose turn ended waits
+(``done``) while the others decode; its environment steps on a host thread; the observation
+is written into the slot's ``forced`` tokens and fed through the following decode steps (one
+token per step, appended to the slot's cache like sampled ones, nothing re-prefilled), then
+the model samples its next turn. A multi-token append prefill would feed a long observation
+in fewer steps; observations of tool results are short, and feeding them in the decode steps
+keeps every program's shape and the per-row random numbers unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import flax.struct
@@ -45,6 +54,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation import decode as decode_lib
 from jaxrlhf.generation.cache import DecodeCache, cache_nbytes
+from jaxrlhf.generation.engine_episodes import EpisodeSteps
+from jaxrlhf.generation.environment import Episode, Episodes
 from jaxrlhf.generation.params import SamplingParams, SamplingStatics
 from jaxrlhf.generation.sampler import Sampler
 from jaxrlhf.generation.sampling import draw_uniforms, next_tokens
@@ -71,6 +82,8 @@ class SlotState:
       stopped: [S] bool: the request ended on a stop token.
       budget: [S] int32 the request's ``max_new_tokens``.
       uniforms: [S, T] float32 the request's random numbers (its row of ``draw_uniforms``).
+      forced: [S, T] int32 tokens fed instead of sampled at those steps (an environment's
+        observation; log-prob 0, never a stop), -1 where the model samples.
     """
 
     cache: DecodeCache
@@ -87,6 +100,7 @@ class SlotState:
     stopped: jax.Array
     budget: jax.Array
     uniforms: jax.Array
+    forced: jax.Array
 
     @staticmethod
     def logical_axes(num_layers: int) -> SlotState:
@@ -106,6 +120,7 @@ class SlotState:
             stopped=rows,
             budget=rows,
             uniforms=rows_t,
+            forced=rows_t,
         )
 
 
@@ -137,6 +152,7 @@ def empty_state(cfg: ModelConfig, slots: int, prompt_len: int, max_new_tokens: i
         stopped=jnp.zeros((s,), bool),
         budget=jnp.ones((s,), jnp.int32),
         uniforms=jnp.ones((s, t), jnp.float32),
+        forced=jnp.full((s, t), -1, jnp.int32),
     )
 
 
@@ -200,16 +216,43 @@ def admit(
         stopped=set_rows(state.stopped, jnp.zeros(dest.shape, bool)),
         budget=set_rows(state.budget, budget),
         uniforms=set_rows(state.uniforms, uniforms),
+        forced=set_rows(state.forced, jnp.full(zeros.shape, -1, jnp.int32)),
     )
 
 
 def finish_slots(state: SlotState, slots: Int[Array, " F"], lengths: Int[Array, " F"]) -> SlotState:
-    """Ends the requests in ``slots`` at ``lengths`` tokens, as stopped (a stop string)."""
+    """Ends the requests in ``slots`` at ``lengths`` tokens, as stopped (a stop string).
+
+    Every sampled token was fed (``positions`` counts them), so the positions step back by
+    the tokens dropped: a multi-turn slot resumes right after the cut (the cache columns
+    past it are overwritten before any query sees them)."""
     return state.replace(
+        positions=state.positions.at[slots].add(lengths - state.step[slots]),
         lengths=state.lengths.at[slots].set(lengths),
         step=state.step.at[slots].set(lengths),
         done=state.done.at[slots].set(True),
         stopped=state.stopped.at[slots].set(True),
+    )
+
+
+def resume_slots(
+    state: SlotState,
+    slots: Int[Array, " S"],
+    forced: Int[Array, "S T"],
+    budget: Int[Array, " S"],
+) -> SlotState:
+    """Restarts the (done) multi-turn requests in ``slots`` (an index >= S: padding, dropped)
+    with their forced tokens (the observation after the turn) and their next budget; the
+    cache, step and positions carry on where the turn ended."""
+
+    def put(x, value):
+        return x.at[slots].set(value.astype(x.dtype), mode="drop")
+
+    return state.replace(
+        forced=put(state.forced, forced),
+        budget=put(state.budget, budget),
+        done=put(state.done, jnp.zeros(slots.shape, bool)),
+        stopped=put(state.stopped, jnp.zeros(slots.shape, bool)),
     )
 
 
@@ -226,8 +269,13 @@ def sample_slots(
     uniform = jnp.take_along_axis(state.uniforms, state.step[:, None], axis=1, mode="clip")[:, 0]
     tokens, logprobs, model_lp = next_tokens(state.logits, uniform, arrays, statics)
     active = ~state.done
-    tokens = jnp.where(active, tokens, arrays["pad_id"])
-    is_stop = active & (tokens[:, None] == arrays["stop_ids"][None, :]).any(-1)
+    forced = jnp.take_along_axis(state.forced, state.step[:, None], axis=1, mode="clip")[:, 0]
+    is_forced = forced >= 0
+    tokens = jnp.where(active, jnp.where(is_forced, forced, tokens), arrays["pad_id"])
+    logprobs = jnp.where(is_forced, 0.0, logprobs)
+    if model_lp is not None:
+        model_lp = jnp.where(is_forced, 0.0, model_lp)
+    is_stop = active & ~is_forced & (tokens[:, None] == arrays["stop_ids"][None, :]).any(-1)
     column = jnp.where(active, state.step, state.tokens.shape[1])  # inactive: dropped
     step = state.step + active
     return state.replace(
@@ -251,7 +299,9 @@ def forward_slots(
 ) -> SlotState:
     """Feeds each slot's last sampled token (written at generated slot ``step - 1``) and
     stores its next logits. Slots that were not running before this step's sample keep their
-    state (their cache column and logits are rewritten with values nobody reads)."""
+    state: their cache write goes to a column past the end (dropped), so a multi-turn slot
+    waiting for its observation keeps its last token's keys and values."""
+    moved = ~prev_done
     last = jnp.maximum(state.step - 1, 0)
     tokens = jnp.take_along_axis(state.tokens, last[:, None], axis=1)[:, 0]
     logits, cache = decode_lib.decode_step(
@@ -262,11 +312,10 @@ def forward_slots(
         tokens,
         state.positions,
         state.cache,
-        last,
+        jnp.where(moved, last, state.tokens.shape[1]),
         state.prefix_mask,
         state.prefix_positions,
     )
-    moved = ~prev_done
     return state.replace(
         logits=jnp.where(moved[:, None], logits, state.logits),
         cache=cache,
@@ -342,6 +391,11 @@ class Finished:
       response_mask: [F, T] the response tokens (the stop token included).
       logprobs, model_logprobs: [F, T] float32, 0 outside the response.
       lengths: [F] response lengths; stopped: [F] ended on a stop token or string.
+      sequence_mask: [F, T] every real token of the response: the model's and, in
+        multi-turn episodes, the environment's observations (``response_mask`` holds the
+        model's alone: the loss mask).
+      rewards, turns, observations, errors: [F] multi-turn episodes' summed rewards, model
+        turns, observations and environment errors (None without an environment).
     """
 
     rows: np.ndarray
@@ -351,6 +405,11 @@ class Finished:
     model_logprobs: np.ndarray
     lengths: np.ndarray
     stopped: np.ndarray
+    sequence_mask: np.ndarray
+    rewards: np.ndarray | None = None
+    turns: np.ndarray | None = None
+    observations: np.ndarray | None = None
+    errors: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +422,7 @@ class EngineOutput:
       aborted_groups: prompts started (or queued) and cancelled (over-sampling, budget).
       generated_tokens: tokens decoded in all, aborted samples' included.
       chunks: decode chunks run.
+      episode_info: each kept multi-turn row's summed ``Step.info`` counters.
     """
 
     finished: Finished
@@ -370,6 +430,7 @@ class EngineOutput:
     aborted_groups: int
     generated_tokens: int
     chunks: int
+    episode_info: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 class Engine:
@@ -465,6 +526,22 @@ class Engine:
             )
 
         return self._program("finish", (prompt_len, max_new_tokens), build)
+
+    def resume_program(self, prompt_len: int, max_new_tokens: int) -> Any:
+        """Jitted :func:`resume_slots` (an observation arrived on the host)."""
+
+        def build():
+            sh = self.state_shardings(prompt_len, max_new_tokens)
+            if sh is None:
+                return jax.jit(resume_slots, donate_argnums=0)
+            return jax.jit(
+                resume_slots,
+                in_shardings=(sh, None, None, None),
+                out_shardings=sh,
+                donate_argnums=0,
+            )
+
+        return self._program("resume", (prompt_len, max_new_tokens), build)
 
     def chunk_program(self, statics: SamplingStatics, prompt_len: int) -> Any:
         """Jitted :func:`decode_chunk`; the state donated (updated in place)."""
@@ -575,6 +652,7 @@ class Engine:
         stop_strings: Sequence[str] = (),
         decode: Callable[[np.ndarray], str] | None = None,
         on_finished: Callable[[Finished], None] | None = None,
+        environments: Episodes | None = None,
     ) -> EngineOutput:
         """Samples ``sampling.n`` continuations of prompts, admitting them in order.
 
@@ -593,16 +671,23 @@ class Engine:
             ``decode``: token ids -> text).
           on_finished: called with each batch of newly finished whole groups, between
             chunks (the RL loop scores them there while the tail decodes).
+          environments: multi-turn episodes (``jaxrlhf.generation.environment``): each
+            sample is an episode whose turns end on a stop or a turn budget; the turn goes
+            to its environment on a host thread while the other slots decode, and the
+            observation is fed into the slot's cache (one decode step per token, the same
+            steps the other slots decode in: nothing is re-prefilled) before the next turn.
+            A sample's budget is its episode's. Stop strings end turns.
 
         Returns:
           The kept groups' samples (ordered by row) and the run's counts.
         """
         run = _Run(self, params, prompt_tokens, prompt_mask, key, sampling)
         run.configure(max_new_tokens, keep_groups, token_budget, stop_strings, decode, on_finished)
+        run.env = environments
         return run.run()
 
 
-class _Run:
+class _Run(EpisodeSteps):
     """One :meth:`Engine.generate` call's host bookkeeping (no Python per token)."""
 
     def __init__(
@@ -640,8 +725,13 @@ class _Run:
         self.kept: list[int] = []
         self.generated = 0
         self.chunks = 0
-        # What the host knows of each slot between chunks (read back at each hand-out).
-        self.slot_done = np.ones(engine.slots, bool)
+        self.decoding = np.zeros(engine.slots, bool)  # admitted or resumed, not yet done
+        self.env: Episodes | None = None
+        self.episodes: dict[int, Episode] = {}  # slot -> its episode
+        self.waiting: dict[int, tuple[Future, float]] = {}  # slot -> (its step, deadline)
+        self.episode_info: dict[int, dict[str, float]] = {}
+        # Each slot's step as the host last read it (at each hand-out): with ``decoding``, the
+        # running slots a chunk's view must hold and the cache width they can reach.
         self.slot_step = np.zeros(engine.slots, np.int64)
         self.row_buckets, self.width_buckets = engine.view_buckets(self.width)
 
@@ -681,14 +771,17 @@ class _Run:
             state = self._admit(state)
             if not (self.slot_group >= 0).any():  # nothing running, nothing admissible
                 break
-            view = self._view() if self.engine.views else None
-            if view is None:
-                state = chunk_fn(self.params, state, self.arrays)
-            else:
-                rows, width, ids = view
-                fn = self.engine.view_chunk_program(self.statics, self.prompt_len, rows, width)
-                state = fn(self.params, state, self.arrays, ids)
-            self.chunks += 1
+            if self.decoding.any():
+                view = self._view() if self.engine.views else None
+                if view is None:
+                    state = chunk_fn(self.params, state, self.arrays)
+                else:
+                    rows, width, ids = view
+                    fn = self.engine.view_chunk_program(self.statics, self.prompt_len, rows, width)
+                    state = fn(self.params, state, self.arrays, ids)
+                self.chunks += 1
+            else:  # every running slot waits for its environment
+                self._wait_env()
             state = self._harvest(state)
         started = {int(g) for g in self.slot_group if g >= 0} | set(self.collected)
         aborted = len(self.queue) + len(started)
@@ -699,18 +792,26 @@ class _Run:
         finished = jax.tree.map(lambda x: x[order], finished)
         chosen = np.isin(finished.rows // self.n, keep)
         finished = jax.tree.map(lambda x: x[chosen], finished)
-        return EngineOutput(finished, np.asarray(keep), aborted, self.generated, self.chunks)
+        info = {int(r): self.episode_info[int(r)] for r in finished.rows if self.env is not None}
+        return EngineOutput(finished, np.asarray(keep), aborted, self.generated, self.chunks, info)
 
     def _view(self) -> tuple[int, int, np.ndarray] | None:
         """The smallest compiled view holding every running slot for the next chunk:
         ``(slots per shard, generated width, [shards * slots per shard] shard-local slot
-        indices)``, or None for the whole state."""
+        indices)``, or None for the whole state.
+
+        The running slots are the ``decoding`` ones: admitted, or resumed with an observation
+        to feed (a slot waiting for its environment is done on device and left out). Every
+        token of a slot, sampled or fed, takes the next generated slot of its cache (column
+        ``step``; RoPE positions are separate), so a chunk from step s writes columns up to
+        ``s + chunk - 1`` and reads none past them: ``step + chunk`` bounds the width with
+        observations too."""
         shards = self.engine.slot_shards
         local = self.engine.slots // shards
-        active = (~self.slot_done).reshape(shards, local)
+        active = self.decoding.reshape(shards, local)
         need_rows = int(active.sum(1).max())
         rows = min(b for b in self.row_buckets if b >= need_rows)
-        reach = int(self.slot_step[~self.slot_done].max(initial=0)) + self.engine.chunk
+        reach = int(self.slot_step[self.decoding].max(initial=0)) + self.engine.chunk
         width = min((b for b in self.width_buckets if b >= reach), default=self.width)
         if rows == local and width == self.width:
             return None
@@ -735,7 +836,13 @@ class _Run:
         for g, p in enumerate(prompts):
             self.slot_group[free[g * self.n : (g + 1) * self.n]] = p
             self.slot_row[free[g * self.n : (g + 1) * self.n]] = p * self.n + np.arange(self.n)
-        self.slot_done[free[: groups * self.n]] = False
+        budgets = self.budgets[rows].copy()
+        if self.env is not None:  # the first turn's budget
+            for k, slot in enumerate(dest[: groups * self.n]):
+                episode = self.env.start(prompts[k // self.n], int(budgets[k]))
+                self.episodes[int(slot)] = episode
+                budgets[k] = episode.budget()
+        self.decoding[dest[: groups * self.n]] = True
         self.slot_step[free[: groups * self.n]] = 0
         fn = self.engine.admit_program(self.n, a, self.prompt_len, self.width)
         return fn(
@@ -745,7 +852,7 @@ class _Run:
             self.mask[index],
             dest,
             self.uniforms[rows],
-            self.budgets[rows],
+            budgets,
         )
 
     def _harvest(self, state: SlotState) -> SlotState:
@@ -754,11 +861,18 @@ class _Run:
         read."""
         done, step = jax.device_get((state.done, state.step))
         running = self.slot_group >= 0
-        if self.stop_strings:
-            done, state = self._stop_strings(state, done, running)
-        self.slot_done, self.slot_step = np.array(done), np.array(step)
         self.generated = int(step[running].sum()) + self.collected_tokens
-        slots = np.flatnonzero(running & self.slot_done)
+        decoding = running & self.decoding
+        if self.stop_strings:
+            done, state = self._stop_strings(state, done, decoding)
+        self.decoding &= ~done
+        self.slot_step = np.array(step)
+        if self.env is not None:  # a sample is finished when its episode ends
+            state = self._env_turns(state, np.flatnonzero(decoding & done))
+            done = np.array(
+                [s in self.episodes and self.episodes[s].ended for s in range(len(done))]
+            )
+        slots = np.flatnonzero(running & done)
         if len(slots) == 0:
             return state
         host = jax.device_get(
@@ -781,7 +895,10 @@ class _Run:
             model_logprobs=np.where(mask, model_lp, 0.0).astype(np.float32),
             lengths=lengths.astype(np.int32),
             stopped=stopped,
+            sequence_mask=mask,
         )
+        if self.env is not None:
+            samples = self._episodes_out(samples, slots)
         self.collected_tokens += int(samples.lengths.sum())
         groups = self.slot_group[slots].copy()
         self.slot_group[slots] = -1
@@ -809,15 +926,18 @@ class _Run:
         right after the first token that completes one (tokens decoded past it are dropped);
         returns the updated done flags and state."""
         slots = np.flatnonzero(running)
+        if not len(slots):
+            return done, state
         tokens, lengths = jax.device_get((state.tokens[slots], state.lengths[slots]))
         cut_slots, cut_lengths = [], []
         for slot, row, length in zip(slots, np.asarray(tokens), np.asarray(lengths), strict=True):
-            if not any(s in self.decode(row[:length]) for s in self.stop_strings):
+            start = self.episodes[slot].start if slot in self.episodes else 0  # this turn's
+            if not any(s in self.decode(row[start:length]) for s in self.stop_strings):
                 continue
             end = next(
                 k
-                for k in range(1, length + 1)
-                if any(s in self.decode(row[:k]) for s in self.stop_strings)
+                for k in range(start + 1, length + 1)
+                if any(s in self.decode(row[start:k]) for s in self.stop_strings)
             )
             cut_slots.append(slot)
             cut_lengths.append(end)
@@ -841,5 +961,6 @@ def _concat(parts: list[Finished], width: int) -> Finished:
             empty.astype(np.float32),
             np.zeros(0, np.int32),
             np.zeros(0, bool),
+            empty.astype(bool),
         )
     return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)

@@ -58,6 +58,16 @@ class RolloutConfig:
       stop_strings: end a response once its decoded text contains one (engine only).
       stream_scoring: with the engine, score finished groups (reference, old policy, critic)
         between decode chunks instead of after the last one: the same arrays, earlier.
+      environment: multi-turn episodes (engine only): dotted path ``module.attr`` of an
+        environment class or function (``jaxrlhf.generation.environment``; the built-in tool
+        task's is ``jaxrlhf.data.tool_task.CalculatorEnv``). Each model turn goes to it; its
+        observations are appended to the sequence, out of the loss and the KL. None:
+        single-turn. ``max_new_tokens`` is then the episode's budget (model and observation
+        tokens together). Streamed scoring is off with an environment.
+      max_turns: model turns per episode at most.
+      turn_tokens: a model turn's token budget (None: the episode's).
+      env_timeout_s: an environment step that takes longer ends its episode with an error
+        observation and reward 0.
     """
 
     prompts_per_step: int = 16
@@ -76,10 +86,15 @@ class RolloutConfig:
     token_budget: int | None = None
     stop_strings: tuple[str, ...] = ()
     stream_scoring: bool = True
+    environment: str | None = None
+    max_turns: int = 4
+    turn_tokens: int | None = None
+    env_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "num_samples", "max_new_tokens", "chunk_tokens")
-        for name in ("score_micro_batch_size", "slots", "token_budget"):
+        _positive(self, "max_turns", "env_timeout_s")
+        for name in ("score_micro_batch_size", "slots", "token_budget", "turn_tokens"):
             if getattr(self, name) is not None:
                 _positive(self, name)
         if self.engine not in ENGINES:
@@ -92,6 +107,7 @@ class RolloutConfig:
                     ("token_budget", self.token_budget is not None),
                     ("stop_strings", self.stop_strings),
                     ("slots", self.slots is not None),
+                    ("environment", self.environment is not None),
                 )
                 if on
             ]
@@ -190,11 +206,13 @@ class RewardConfig:
     """Where scores come from: a programmatic function or a trained reward model.
 
     Attributes:
-      function: dotted path ``module.attr`` of a reward function, or ``builtin`` for the
-        built-in task's reward. It is called as ``fn(prompts, completions, **kwargs) -> [N]
-        scores`` (decoded text, one entry per rollout row) with, as keyword arguments it
-        accepts, ``prompt_ids``, ``completion_ids`` and every other column of the prompt's
-        dataset record (e.g. ``answer``); see ``jaxrlhf.rewards.functions``.
+      function: dotted path ``module.attr`` of a reward function, ``builtin`` for the
+        built-in task's reward, or ``environment`` for the episodes' rewards (the sum of
+        what ``rollout.environment`` returned). A function is called as ``fn(prompts,
+        completions, **kwargs) -> [N] scores`` (decoded text, one entry per rollout row)
+        with, as keyword arguments it accepts, ``prompt_ids``, ``completion_ids`` and every
+        other column of the prompt's dataset record (e.g. ``answer``); see
+        ``jaxrlhf.rewards.functions``.
       model_dir: a Hugging Face reward model (``*ForSequenceClassification``, e.g. the RM
         trainer's export); used when ``function`` is null.
       normalize: whiten scores over each rollout batch (mean 0, std 1).
@@ -253,6 +271,7 @@ class PPOConfig:
             )
         if self.critic_init == "reward_model" and self.reward.model_dir is None:
             raise ValueError("critic_init: 'reward_model' needs reward.model_dir")
+        _check_environment_reward(self.rollout, self.reward)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,6 +323,12 @@ class GRPOConfig:
             )
         if self.max_refills < 0:
             raise ValueError(f"max_refills: must be >= 0, got {self.max_refills}")
+        _check_environment_reward(self.rollout, self.reward)
+
+
+def _check_environment_reward(rollout: RolloutConfig, reward: RewardConfig) -> None:
+    if reward.function == "environment" and rollout.environment is None:
+        raise ValueError("reward.function: 'environment' needs rollout.environment")
 
 
 # ---- sizes an RL run derives from its config and mesh (pure Python; see config.validate) ---

@@ -97,8 +97,9 @@ def test_engine_settings_errors_are_one_line(tmp_path, overrides, message):
 
 def test_dry_run_plans_the_engine(tmp_path):
     """The engine's admission and decode-chunk programs (the whole state, and the largest
-    view) replace the static sampler's; the note gives its KV cache: 8 slots x (16 + 6) positions x 2 layers x K=2 heads x H=8 x
-    (key + value) x 4 bytes = 45,056 B = 0.04 MiB on one device."""
+    view) replace the static sampler's; the note gives its KV cache: 8 slots x (16 + 6)
+    positions x 2 layers x K=2 heads x H=8 x (key + value) x 4 bytes = 45,056 B = 0.04 MiB
+    on one device."""
     from jaxrlhf.train import dry_run
 
     cfg, src = _config(tmp_path, "grpo", *ENGINE)
