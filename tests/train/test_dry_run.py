@@ -120,7 +120,9 @@ def _ppo_config(tmp_path):
         "train": {"steps": 1, "micro_batch_size": 1},
         "logging": {"progress": "none"},
         "ppo": {
-            "rollout": {"prompts_per_step": 16, "max_new_tokens": 6},
+            # Scoring packs sequences (4 rows per data shard); one packed size, the largest,
+            # so the real run compiles the programs the dry run plans.
+            "rollout": {"prompts_per_step": 16, "max_new_tokens": 6, "pack_buckets": 1},
             "loss": {"epochs": 2, "num_minibatches": 2},
             "reward": {"function": None, "model_dir": rm_dir},
         },
