@@ -332,14 +332,17 @@ def pack(
     b = n // s
     head = min(b * (t - prompt_len), m * t)
 
-    def per_shard(x):
-        x = x.reshape(s, b, *x.shape[1:])
+    def sharded(x):  # the leading dim over the data shards
         return constrain(x, (axes.BATCH,) + (None,) * (x.ndim - 1))
 
-    packed, dest, head_slots, head_targets, head_index, last_slots = jax.vmap(
-        lambda *a: _pack_shard(*a, rows=m, prompt_len=prompt_len, head=head)
-    )(per_shard(tokens), per_shard(mask.astype(bool)), jax.tree.map(per_shard, plan))
-    tok, pos, unit, member = (packed[..., i].reshape(s * m, t) for i in range(4))
+    def per_shard(x):  # [N, ...] -> [S, b, ...]
+        return sharded(x.reshape(s, b, *x.shape[1:]))
+
+    outs = jax.vmap(lambda *a: _pack_shard(*a, rows=m, prompt_len=prompt_len, head=head))(
+        per_shard(tokens), per_shard(mask.astype(bool)), jax.tree.map(per_shard, plan)
+    )
+    packed, dest, head_slots, head_targets, head_index, last_slots = map(sharded, outs)
+    tok, pos, unit, member = (sharded(packed[..., i].reshape(s * m, t)) for i in range(4))
     full = _block_mask(unit, member, pos)
     sliding = None if sliding_window is None else _block_mask(unit, member, pos, sliding_window)
     return PackedSequences(
@@ -356,26 +359,33 @@ def pack(
     )
 
 
-def _gather_slots(hidden: Float[Array, "M L D"], slots: Int[Array, "S K"]) -> Float[Array, "S K D"]:
+def _gather_slots(
+    hidden: Float[Array, "M L D"], slots: Int[Array, "S K"], constrain: Constrain
+) -> Float[Array, "S K D"]:
+    """Per shard, the hidden states at ``slots`` of its packed rows (a gather local to each
+    data shard: its operand, indices and result are all split on the leading dim)."""
     s = slots.shape[0]
-    flat = hidden.reshape(s, -1, hidden.shape[-1])  # [S, m*L, D]
-    return jax.vmap(lambda h, i: jnp.take(h, i, axis=0, mode="clip"))(flat, slots)
+    names = (axes.BATCH, None, axes.ACT_EMBED)
+    flat = constrain(hidden.reshape(s, -1, hidden.shape[-1]), names)  # [S, m*L, D]
+    picked = jax.vmap(lambda h, i: jnp.take(h, i, axis=0, mode="clip"))(flat, slots)
+    return constrain(picked, names)
 
 
 def response_inputs(
-    hidden: Float[Array, "M L D"], packed: PackedSequences
+    hidden: Float[Array, "M L D"], packed: PackedSequences, constrain: Constrain = _no_constraint
 ) -> Float[Array, "S K D"]:
     """The hidden states that predict each real response token (compacted per shard): the
-    LM head runs on these ``K`` per shard instead of ``b x R`` padded response slots."""
-    return _gather_slots(hidden, packed.head_slots)
+    LM head runs on these ``K`` per shard instead of ``b x R`` padded response slots.
+    ``constrain``: the model's activation constraint."""
+    return _gather_slots(hidden, packed.head_slots, constrain)
 
 
 def last_token_inputs(
-    hidden: Float[Array, "M L D"], packed: PackedSequences
+    hidden: Float[Array, "M L D"], packed: PackedSequences, constrain: Constrain = _no_constraint
 ) -> Float[Array, "S b D"]:
     """The hidden state at each row's last real token (a reward model's readout): its
     response's last token, or its prompt's for an empty response."""
-    return _gather_slots(hidden, packed.last_slots)
+    return _gather_slots(hidden, packed.last_slots, constrain)
 
 
 def unpack_responses(x: Float[Array, "S K"], packed: PackedSequences) -> Float[Array, "N T"]:

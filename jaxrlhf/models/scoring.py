@@ -111,7 +111,9 @@ class RolloutForward:
         start = self.prompt_len(tokens)
         if self.packing is not None:
             packed = self._sequences(tokens, mask, plan)
-            select = functools.partial(packing_lib.response_inputs, packed=packed)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
             logits = model_lib.forward_packed(self.module, params, packed, select)  # [S, K, V]
             logp, entropy = token_logprobs_and_entropy(logits, packed.head_targets)
             return (
@@ -144,7 +146,9 @@ class RolloutForward:
         packing: the real response tokens only), all that GAE and the value loss read."""
         if self.packing is not None:
             packed = self._sequences(tokens, mask, plan)
-            select = functools.partial(packing_lib.response_inputs, packed=packed)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
             out = model_lib.forward_packed(self.module, params, packed, select)  # [S, K]
             return packing_lib.unpack_responses(out, packed)
         if self.group_size > 1:
@@ -166,7 +170,9 @@ class RolloutForward:
         (a reward model's readout)."""
         if self.packing is not None:
             packed = self._sequences(tokens, mask, plan)
-            select = functools.partial(packing_lib.last_token_inputs, packed=packed)
+            select = functools.partial(
+                packing_lib.last_token_inputs, packed=packed, constrain=self.module.constrain
+            )
             return model_lib.forward_packed(self.module, params, packed, select).reshape(-1)
         if self.group_size > 1:
             packed = self._packed(tokens, mask)
