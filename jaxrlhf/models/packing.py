@@ -175,11 +175,25 @@ def plan_rows(
 
     Returns:
       The :class:`RowPacking` (numpy ``[N]`` int32) and its :class:`PlanStats`.
+
+    Raises:
+      ValueError: a row's real tokens are not one left-padded prompt and one right-padded
+        response.
     """
     n, length = mask.shape
     mask = np.asarray(mask, bool)
     prompt_lens = mask[:, :prompt_len].sum(1)
     response_lens = mask[:, prompt_len:].sum(1)
+    col = np.arange(length)[None]
+    contiguous = (col >= prompt_len - prompt_lens[:, None]) & (
+        col < prompt_len + response_lens[:, None]
+    )
+    bad = np.flatnonzero((mask != contiguous).any(1))
+    if len(bad):
+        raise ValueError(
+            f"rollout row {bad[0]}: real tokens must be a left-padded prompt of {prompt_len} "
+            "slots and a right-padded response to pack sequences"
+        )
     prompts = None
     if share_prompts:
         prompts = [

@@ -115,13 +115,15 @@ def test_plan_and_layout_by_hand():
         ("llama", 2, False),
         ("mistral", 2, True),
         ("gemma2", 1, True),
+        ("gpt2", 1, True),
         ("qwen3_moe", 2, True),
     ],
 )
 def test_packed_logprobs_and_gradients_equal_padded(family, shards, share):
     """Also a sliding window (Mistral), sliding and full layers with soft-caps (Gemma 2:
-    the packed batch carries both masks) and a dropless MoE (routing is per token); two
-    data shards each pack their own rows; shared prompt copies or one per row."""
+    the packed batch carries both masks), learned positions (GPT-2: reset per sequence)
+    and a dropless MoE (routing is per token); two data shards each pack their own rows;
+    shared prompt copies or one per row."""
     cfg = ModelConfig.tiny(family, **({"sliding_window": 4} if family == "mistral" else {}))
     module, params = M.build(cfg), _params(cfg)
     tokens, mask = _rollout(cfg.vocab_size)
@@ -179,6 +181,9 @@ def test_buckets_and_refusals():
     plan = pk.RowPacking(*(jnp.zeros(6, jnp.int32) for _ in range(3)))
     with pytest.raises(ValueError, match="6 rollout rows do not split over 4 data shards"):
         pk.pack(tokens, tokens > 0, plan, pk.PackedShape(4, 1), 4)
+    holes = np.array([[0, 1, 1, 1, 1, 0, 0, 0], [0, 1, 0, 1, 1, 1, 0, 0]], bool)
+    with pytest.raises(ValueError, match="rollout row 1: real tokens must be a left-padded"):
+        pk.plan_rows(holes.astype(np.int32), holes, 4, np.arange(2)[None], 1)
     forward = RolloutForward(M.build(ModelConfig.tiny()), 4, packing=pk.PackedShape(1, 2))
     with pytest.raises(ValueError, match="needs the rows' packing plan"):
         forward.logprobs(None, tokens, tokens > 0)
