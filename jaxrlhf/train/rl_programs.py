@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrlhf import losses
 from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.packing import PackedShape, RowPacking
@@ -91,22 +92,33 @@ class Scoring:
     mesh: Mesh
     rules: Rules
 
-    def forwards(self, policy_params, ref_params, value_params, rows: RolloutRows) -> Scored:
-        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time."""
+    def forwards(
+        self,
+        policy_params: Any,
+        ref_params: Any,
+        value_params: Any,
+        rows: RolloutRows,
+        packed_rows: int | None = None,
+    ) -> Scored:
+        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time;
+        sequence-packed forwards pack into ``packed_rows`` rows per shard (static; None: the
+        rows run unpacked, and ``rows.packing`` is None)."""
+        scoring = self.with_packed_rows(packed_rows)
 
         def run(r: RolloutRows) -> Scored:
-            ref, _ = self.reference.logprobs(ref_params, r.tokens, r.mask, r.packing)
+            ref, _ = scoring.reference.logprobs(ref_params, r.tokens, r.mask, r.packing)
             old = values = None
-            if self.policy is not None:
-                old, _ = self.policy.logprobs(policy_params, r.tokens, r.mask, r.packing)
-            if self.value is not None:
-                values = self.value.values(value_params, r.tokens, r.mask, r.packing)
+            if scoring.policy is not None:
+                old, _ = scoring.policy.logprobs(policy_params, r.tokens, r.mask, r.packing)
+            if scoring.value is not None:
+                values = scoring.value.values(value_params, r.tokens, r.mask, r.packing)
             return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
 
         return map_micro(run, rows, self.num_micro, self.mesh, self.rules, self.row_group)
 
     def with_packed_rows(self, rows: int | None) -> Scoring:
-        """These forwards packing into ``rows`` packed rows per shard (None: unchanged)."""
+        """These forwards packing sequences into ``rows`` packed rows per shard, or (None)
+        not packing sequences."""
 
         def packed(forward: RolloutForward | None) -> RolloutForward | None:
             return None if forward is None else forward.with_packed_rows(rows)
@@ -130,9 +142,19 @@ class Scoring:
     ) -> Scored:
         """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` [];
         sequence-packed forwards pack into ``packed_rows`` rows per shard (static)."""
-        algo, resp = self.algo, rows.response_mask
-        forwards = self.with_packed_rows(packed_rows).forwards
-        out = forwards(policy_params, ref_params, value_params, rows)
+        out = self.forwards(policy_params, ref_params, value_params, rows, packed_rows)
+        return self.advantages(out, rows.response_mask, scores, kl_coef)
+
+    def advantages(
+        self,
+        out: Scored,
+        response_mask: jax.Array,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+    ) -> Scored:
+        """The forwards' ``out`` of the whole rollout completed with the advantages (and
+        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []."""
+        algo, resp = self.algo, response_mask
         ref, old = out.ref_logprobs, out.old_logprobs
         if self.has_critic and out.old_values is None:  # the critic's update runs GAE
             rewards, m = rl_steps.ppo_token_rewards(
@@ -186,12 +208,19 @@ class RLPrograms:
       reward_shardings: the reward model's parameter shardings, or None (a function).
       score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef,
         packed_rows) -> Scored``.
+      score_forwards: ``(policy_params, ref_params, value_params, rows, packed_rows) ->
+        Scored`` of the forwards alone (reference, old policy, critic) on any whole groups of
+        rows: what streaming runs on finished groups while the tail decodes (``packed_rows``
+        None: unpacked).
+      score_advantages: ``(forwards, response_mask, scores, kl_coef) -> Scored``: the rest
+        of ``score`` once the whole rollout's forwards are in.
       reward: ``(rm_params, tokens, mask, packing, packed_rows) -> [N] scores`` of the
         reward model, or None.
       update: ``(states, LearnerBatch, key, packed_rows) -> (states, UpdateOutput)``; the
         states tuple is ``(policy,)`` or ``(policy, value)`` and is donated.
       planner: the host plans of the sequence-packed programs; a program that does not
         pack takes ``packing`` (in the rows) and ``packed_rows`` None.
+      engine: the rollout engine (``rollout.engine: continuous``), or None.
     """
 
     algo: PPOConfig | GRPOConfig
@@ -207,9 +236,12 @@ class RLPrograms:
     reference_shardings: Any
     reward_shardings: Any | None
     score: Callable[..., Scored]
+    score_forwards: Callable[..., Scored]
+    score_advantages: Callable[..., Scored]
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
     planner: PackingPlanner
+    engine: Engine | None = None
 
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
@@ -456,12 +488,18 @@ def build_rl_programs(
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
+    params_sh = (
+        policy_sh.params,
+        param_shardings(model, mesh, rules_for("reference", "score")),
+        None if value_sh is None else value_sh.params,
+    )
+    sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
     return RLPrograms(
         algo=algo,
         layout=layout,
         model=model,
         mesh=mesh,
-        sampler=Sampler(model, generate_mesh, matmul_block=matmul_block),
+        sampler=sampler,
         sampling=sampling,
         policy=policy,
         value=value,
@@ -469,17 +507,26 @@ def build_rl_programs(
         value_shardings=value_sh,
         reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
         reward_shardings=reward_sh,
-        score=_score_program(
-            scoring,
-            cfg,
-            model,
-            (
-                policy_sh.params,
-                param_shardings(model, mesh, rules_for("reference", "score")),
-                None if value_sh is None else value_sh.params,
-            ),
+        score=_score_program(scoring, cfg, model, params_sh),
+        score_forwards=jax.jit(
+            scoring.forwards,
+            in_shardings=(*params_sh, RolloutRows(rows2, rows2, rows2, None)),
+            out_shardings=rows2,
+            static_argnums=4,  # packed_rows
         ),
+        score_advantages=jax.jit(scoring.advantages),
         reward=reward,
         update=update,
         planner=PackingPlanner.of(algo, rl, layout.data_shards, cfg.data.max_prompt_length),
+        engine=_engine(algo, sampler),
     )
+
+
+def _engine(algo: PPOConfig | GRPOConfig, sampler: Sampler) -> Engine | None:
+    """The rollout engine of ``rollout.engine: continuous`` (its slots default to every row
+    the iteration starts)."""
+    r = algo.rollout
+    if r.engine != "continuous":
+        return None
+    slots = r.slots or r.started_prompts * r.num_samples
+    return Engine(sampler, slots=slots, chunk=r.chunk_tokens)
