@@ -70,7 +70,8 @@ class RolloutConfig:
         always finish.
       stop_strings: end a response once its decoded text contains one (engine only).
       stream_scoring: with the engine, score finished groups (reference, old policy, critic)
-        between decode chunks instead of after the last one: the same arrays, earlier.
+        between decode chunks instead of after the last one: the same arrays, earlier. Each
+        streamed batch is sequence-packed like the whole rollout (``pack_sequences``).
     """
 
     prompts_per_step: int = 16

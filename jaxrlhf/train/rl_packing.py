@@ -126,15 +126,30 @@ class PackingPlanner:
         fraction = shared_prefix.flops_fraction(self.prompt_len, length - self.prompt_len, group)
         return rows * length * fraction
 
+    def unpacked_score_pass(self, mask: np.ndarray) -> tuple[float, float]:
+        """``(slots, real tokens)`` the scoring forwards run on the host rows ``[N, T]``
+        unpacked (prompt groups of ``score_group`` rows run their prompt once)."""
+        prompt, response = mask[:, : self.prompt_len].sum(), mask[:, self.prompt_len :].sum()
+        tokens = float(response + prompt / self.score_group)
+        return self._unpacked_slots(mask.shape, self.score_group), tokens
+
     def score(self, tokens: np.ndarray, mask: np.ndarray) -> PhasePlan | None:
         """The scoring forwards' (and the reward model's) plan of the host rows
-        ``[N, T]``, or None when scoring runs them unpacked."""
+        ``[N, T]``, or None when scoring runs them unpacked.
+
+        The rows are the whole rollout, or (streamed scoring, ``rl_stream``) one batch of
+        its finished groups: the packed sizes are steps of the rows each data shard holds in
+        a micro-batch of *these* rows, so each row count compiles at most ``buckets`` sizes.
+        """
         if not self.score_rows:
             return None
         rows, length = mask.shape
+        per_shard = rows // (self.score_micro * self.shards)
+        if per_shard < 2:
+            return None
         micro = split_micro(np.arange(rows), self.score_micro, None, None, self.score_group)
         packing, stats = self._plan(tokens, mask, micro)
-        m = bucket_for(stats.needed, self.score_rows, self.buckets)
+        m = bucket_for(stats.needed, per_shard, self.buckets)
         slots = self.score_micro * self.shards * m * length
         if slots > self._unpacked_slots(mask.shape, self.score_group):
             return None
@@ -179,6 +194,14 @@ class PackingPlanner:
         )
 
 
+def _phase_metrics(name: str, rows: int, slots: float, tokens: float) -> dict[str, float]:
+    return {
+        f"packing/{name}_rows": float(rows),
+        f"packing/{name}_slots": float(slots),
+        f"packing/{name}_fill": tokens / slots,
+    }
+
+
 def plan_metrics(score: PhasePlan | None, update: PhasePlan | None) -> dict[str, float]:
     """``packing/*`` metrics of an iteration's plans: each packed phase's packed rows per
     shard (``*_rows``), slots run per pass (``*_slots``) and the share of them that hold
@@ -186,7 +209,23 @@ def plan_metrics(score: PhasePlan | None, update: PhasePlan | None) -> dict[str,
     out = {}
     for name, plan in (("score", score), ("update", update)):
         if plan is not None:
-            out[f"packing/{name}_rows"] = float(plan.rows)
-            out[f"packing/{name}_slots"] = float(plan.slots)
-            out[f"packing/{name}_fill"] = plan.tokens / plan.slots
+            out.update(_phase_metrics(name, plan.rows, plan.slots, plan.tokens))
     return out
+
+
+def streamed_score_metrics(
+    plans: list[PhasePlan | None], unpacked: list[tuple[float, float]]
+) -> dict[str, float]:
+    """:func:`plan_metrics`' ``packing/score_*`` of streamed scoring (``rl_stream``): its
+    micro-batches' ``plans`` (None where one ran unpacked) and each one's ``unpacked``
+    ``(slots, real tokens)`` (:meth:`PackingPlanner.unpacked_score_pass`) summed as one
+    pass: the most packed rows any took, and the slots and real tokens all of them ran
+    (a padded last micro-batch's repeated rows included); empty when none packed."""
+    if all(plan is None for plan in plans):
+        return {}
+    slots = tokens = 0.0
+    for plan, (u_slots, u_tokens) in zip(plans, unpacked, strict=True):
+        slots += u_slots if plan is None else plan.slots
+        tokens += u_tokens if plan is None else plan.tokens
+    rows = max(plan.rows for plan in plans if plan is not None)
+    return _phase_metrics("score", rows, slots, tokens)

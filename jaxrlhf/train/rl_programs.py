@@ -210,8 +210,8 @@ class RLPrograms:
         packed_rows) -> Scored``.
       score_forwards: ``(policy_params, ref_params, value_params, rows, packed_rows) ->
         Scored`` of the forwards alone (reference, old policy, critic) on any whole groups of
-        rows: what streaming runs on finished groups while the tail decodes (``packed_rows``
-        None: unpacked).
+        rows: what streaming runs on finished groups while the tail decodes (sequence-packed
+        like ``score``, by the planner's plan of those rows).
       score_advantages: ``(forwards, response_mask, scores, kl_coef) -> Scored``: the rest
         of ``score`` once the whole rollout's forwards are in.
       reward: ``(rm_params, tokens, mask, packing, packed_rows) -> [N] scores`` of the

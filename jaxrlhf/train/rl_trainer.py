@@ -211,6 +211,7 @@ class RLTrainer:
         else:
             scores, task_scores, forwards = stream.result(rows)
             timings["time/score_streamed_s"] = stream.seconds
+            timings.update(stream.packing_metrics())
             timings["time/generate_s"] -= stream.seconds
         rollout = self._as_rollout(sample, scores, task_scores)
         timings["time/reward_s"] = time.perf_counter() - start
@@ -325,8 +326,8 @@ class RLTrainer:
         timings = dict(timings or {})
         programs = self.programs
         start = time.perf_counter()
-        # Sequence packing's host plans (None: the phase runs its rows unpacked; streamed
-        # forwards, rl_stream, ran unpacked).
+        # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
+        # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
         plan = None
         if forwards is None:
             plan = programs.planner.score(rollout.tokens, rollout.mask)

@@ -19,7 +19,7 @@ import yaml
 
 from jaxrlhf.config import ConfigError, load_config, validate
 from jaxrlhf.sharding import MeshConfig, make_mesh
-from jaxrlhf.train import rl_metrics
+from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.rl_trainer import build_rl_trainer
 
 R, PROMPT = 16, 16  # response budget and prompt slots: rows of T = 32
@@ -196,3 +196,39 @@ def test_pack_settings_errors_and_notes(tmp_path, caplog):
     assert "pack_sequences is off in the update: its micro-batches hold 1 row per data" in (
         caplog.text
     )
+
+
+def test_streamed_batches_plan_on_their_own_rows():
+    """Streamed scoring (rl_stream) plans each batch of finished groups alone: 4 rows of
+    T = 6 (P = 2), each 1 prompt + 1 response token, with 16 rows per shard in the whole
+    rollout's micro-batches. Sizes are quarters of the batch's 4 rows (1, 2, 3, 4), not of
+    16: 3 sequences of 2 fit a packed row, so 2 rows, 12 slots against 24 unpacked. Two
+    batches, one packed and one not: 12 + 24 slots, 8 + 8 real tokens."""
+    planner = rl_packing.PackingPlanner(
+        prompt_len=2,
+        shards=1,
+        buckets=4,
+        share_prompts=False,
+        score_rows=16,
+        score_micro=1,
+        score_group=1,
+        update_rows=0,
+        epochs=1,
+        num_minibatches=1,
+        num_micro=1,
+        update_group=1,
+    )
+    mask = np.zeros((4, 6), bool)
+    mask[:, 1:3] = True
+    tokens = np.where(mask, 7, 0).astype(np.int32)
+    plan = planner.score(tokens, mask)
+    assert (plan.rows, plan.slots, plan.tokens) == (2, 12, 8.0)
+    assert planner.unpacked_score_pass(mask) == (24.0, 8.0)
+    assert planner.score(tokens[:1], mask[:1]) is None  # one row per shard: nothing to pack
+    metrics = rl_packing.streamed_score_metrics([plan, None], [(24.0, 8.0)] * 2)
+    assert metrics == {
+        "packing/score_rows": 2.0,
+        "packing/score_slots": 36.0,
+        "packing/score_fill": 16 / 36,
+    }
+    assert rl_packing.streamed_score_metrics([None], [(24.0, 8.0)]) == {}
