@@ -27,11 +27,17 @@ from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
+from jaxrlhf.models.packing import RowPacking, bucket_sizes
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
-from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
-from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
+from jaxrlhf.train.rl_programs import (
+    RLPrograms,
+    abstract_rows,
+    build_rl_programs,
+    sampling_params,
+)
+from jaxrlhf.train.rl_types import LearnerBatch
 from jaxrlhf.train.state import TrainState, create_state
 from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
 
@@ -406,28 +412,28 @@ def _plan_score(pl, programs, held, policy_state, ref_params, value_state, rm_pa
     abstract rollout rows and the scored arrays (in the score program's output shardings)."""
     cfg, r = pl.cfg, programs.algo.rollout
     rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
-    row2, row1 = programs.rows(2), programs.rows(1)
-    batch = RolloutRows(
-        tokens=_sds((rows, length), jnp.int32, row2),
-        mask=_sds((rows, length), bool, row2),
-        response_mask=_sds((rows, length), bool, row2),
+    packed = programs.planner.score_rows or None  # packed: the largest size, the most memory
+    batch = jax.tree.map(
+        lambda x: _sds(x.shape, x.dtype, programs.rows(x.ndim)),
+        abstract_rows(rows, length, packed=packed is not None),
     )
     if rm_params is not None:
-        args = (rm_params, batch.tokens, batch.mask)
+        args = (rm_params, batch.tokens, batch.mask, batch.packing, packed)
         pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
     score_args = (
         policy_state.params,
         ref_params,
         None if value_state is None else value_state.params,
         batch,
-        _sds((rows,), jnp.float32, row1),
+        _sds((rows,), jnp.float32, programs.rows(1)),
         _sds((), jnp.float32, pl.replicated),
+        packed,
     )
     passed = ["policy.params", "reference.params"] + ["value.params"] * (value_state is not None)
     score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
     scored = jax.tree.map(
         lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(programs.score, *score_args),
+        jax.eval_shape(lambda *a: programs.score(*a, packed), *score_args[:-1]),
         score.output_shardings,
     )
     return batch, scored
@@ -458,15 +464,20 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         pl, programs, held, policy_state, ref_params, value_state, rm_params
     )
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
-    kl_coef = _sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
+    rows = batch.tokens.shape[0]
+    kl_coef = _sds((rows,), jnp.float32, pl.replicated)
     learner_batch = LearnerBatch.of(batch, scored, kl_coef)
+    packed = programs.planner.update_rows or None  # the largest packed size
+    if packed is not None:
+        plan = _sds((rows, algo.loss.epochs), jnp.int32, programs.rows(2))
+        learner_batch = learner_batch.replace(packing=RowPacking(plan, plan, plan))
     states = (policy_state,) + (() if value_state is None else (value_state,))
     learners = [n for n in held if n.startswith(("policy.", "value."))]
     pl.compile(
         "train",
         "update",
         programs.update,
-        (states, learner_batch, pl.key),
+        (states, learner_batch, pl.key, packed),
         live=held,
         passed=learners,
     )
@@ -475,5 +486,17 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
         f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "
         f"{loss.epochs} epoch(s) x {loss.num_minibatches} minibatch(es) x {rl.num_micro} "
-        "micro-batch(es)"
+        f"micro-batch(es){_packing_line(programs)}"
     )
+
+
+def _packing_line(programs: RLPrograms) -> str:
+    """Which phases pack sequences, into which sizes (memory is planned at the largest)."""
+    planner, parts = programs.planner, []
+    for phase, b in (("scoring", planner.score_rows), ("update", planner.update_rows)):
+        if b:
+            sizes = "/".join(map(str, bucket_sizes(b, planner.buckets)))
+            parts.append(f"{phase} {b} -> {sizes} rows per data shard")
+    if not parts:
+        return ""
+    return f"; sequences packed ({', '.join(parts)}; planned at the largest)"

@@ -51,7 +51,7 @@ from jaxrlhf.rewards import (
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
-from jaxrlhf.train import rl_metrics
+from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
@@ -227,6 +227,7 @@ class RLTrainer:
         else:
             scores, task_scores, forwards = stream.result(rows)
             timings["time/score_streamed_s"] = stream.seconds
+            timings.update(stream.packing_metrics())
             timings["time/generate_s"] -= stream.seconds
         rollout = self._as_rollout(sample, scores, task_scores)
         timings["time/reward_s"] = time.perf_counter() - start
@@ -338,8 +339,7 @@ class RLTrainer:
         decoded text (the built-in task's, when it is the reward, counts as both) or the
         reward model's."""
         if self.reward_fn is None and self.task_fn is None:
-            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
-            return None, to_host(self.programs.reward(self.rm_params, *rows))
+            return None, self.programs.reward_scores(self.rm_params, tokens, mask)
         data = self.cfg.data
         prompt_ids = [t[m] for t, m in zip(out.prompt_tokens, out.prompt_mask, strict=True)]
         completion_ids = [t[m] for t, m in zip(out.tokens, out.response_mask, strict=True)]
@@ -352,8 +352,7 @@ class RLTrainer:
         )
         task = None if self.task_fn is None else call_reward_fn(self.task_fn, **texts)
         if self.reward_fn is None:  # a reward model drives RL; the task reward is logged
-            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
-            return task, to_host(self.programs.reward(self.rm_params, *rows))
+            return task, self.programs.reward_scores(self.rm_params, tokens, mask)
         if self.reward_fn is self.task_fn:
             return task, task
         return task, call_reward_fn(self.reward_fn, **texts)
@@ -413,12 +412,16 @@ class RLTrainer:
         ``forwards``: the rollout's scoring forwards, already computed (streamed while the
         engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
-        self._check_groups(rollout)
         programs = self.programs
         start = time.perf_counter()
-        rows = put_global(
-            rollout.device_rows, jax.tree.map(lambda x: programs.rows(2), rollout.device_rows)
-        )
+        # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
+        # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
+        plan = None
+        if forwards is None:
+            plan = programs.planner.score(rollout.tokens, rollout.mask)
+        update_plan = programs.planner.update(rollout.tokens, rollout.mask, key)
+        self._check_groups(rollout, plan is None, update_plan is None)
+        rows = programs.put_rows(rollout.device_rows.replace(packing=plan and plan.packing))
         shaped = shape_scores(
             rollout.scores, normalize=self.algo.reward.normalize, clip=self.algo.reward.clip
         )
@@ -432,6 +435,7 @@ class RLTrainer:
                 rows,
                 scores,
                 kl_coef,
+                plan and plan.rows,
             )
         else:
             scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
@@ -440,8 +444,10 @@ class RLTrainer:
 
         start = time.perf_counter()
         batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef))
+        if update_plan is not None:
+            batch = batch.replace(packing=programs.put_rows(update_plan.packing))
         states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
-        states, update = programs.update(states, batch, key)
+        states, update = programs.update(states, batch, key, update_plan and update_plan.rows)
         self.policy_state = states[0]
         if self.value_state is not None:
             self.value_state = states[1]
@@ -456,14 +462,16 @@ class RLTrainer:
         )
         metrics = {k: float(v) for k, v in update_metrics.items()}
         metrics.update({k: float(v) for k, v in to_host(scored.metrics).items()})
+        metrics.update(rl_packing.plan_metrics(plan, update_plan))
         metrics.update(timings)
         return metrics
 
-    def _check_groups(self, rollout: Rollout) -> None:
+    def _check_groups(self, rollout: Rollout, score_groups: bool, update_groups: bool) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
-        groups do; a hand-built rollout might not)."""
+        groups do; a hand-built rollout might not). Checked for the phases that run their
+        rows unpacked (``*_groups``): sequence packing compares the prompts itself."""
         groups = self.layout.rl.groups
-        n = max(groups.score, groups.update)
+        n = max(groups.score if score_groups else 1, groups.update if update_groups else 1)
         if n == 1:
             return
         prompt_len = rollout.tokens.shape[1] - self.algo.rollout.max_new_tokens
