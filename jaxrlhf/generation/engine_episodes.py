@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any
 
 import jax
 import numpy as np
 
 from jaxrlhf.generation.environment import call_in_thread, wait_for
-
-SlotState = Any  # engine.SlotState (imported there; this module is imported by it)
-Finished = Any
+from jaxrlhf.generation.slots import Finished, SlotState
 
 
 class EpisodeSteps:

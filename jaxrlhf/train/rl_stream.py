@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.generation.engine import Finished
 from jaxrlhf.generation.sampler import SampleOutput
+from jaxrlhf.generation.slots import Finished
 from jaxrlhf.train.rl_packing import PhasePlan, streamed_score_metrics
 from jaxrlhf.train.rl_types import RolloutRows, Scored
 
