@@ -174,6 +174,7 @@ class DryRunReport:
     device_label: str
     seconds: float
     notes: tuple[str, ...] = ()
+    sync_bytes: tuple[int, int] | None = None  # LoRA policy: (adapter, full) sync per iteration
 
     @property
     def devices(self) -> int:
@@ -326,7 +327,7 @@ def plan(
         source=source,
         algorithm=cfg.algorithm,
         model=(
-            f"{model_cfg.family}, {planner.roles[0].params:,} parameters ({model_cfg.param_dtype} "
+            f"{model_cfg.family}, {_parameters(planner.roles, cfg)} ({model_cfg.param_dtype} "
             f"params, {model_cfg.dtype} compute, remat {model_cfg.remat})"
         ),
         mesh=dict(mesh.shape),
@@ -338,7 +339,18 @@ def plan(
         device_label=device_label,
         seconds=time.perf_counter() - start,
         notes=tuple(planner.notes),
+        sync_bytes=planner.sync_bytes,
     )
+
+
+def _parameters(roles: Sequence[RoleMemory], cfg: RunConfig) -> str:
+    """The trained model's size: its parameters, or a LoRA model's base and adapters."""
+    if len(roles) > 1 and roles[1].role == "base":
+        return (
+            f"{roles[1].params:,} parameters + {roles[0].params:,} LoRA (rank {cfg.lora.rank}, "
+            f"{', '.join(cfg.lora.targets)})"
+        )
+    return f"{roles[0].params:,} parameters"
 
 
 def mesh_devices(mesh: MeshConfig) -> int | None:

@@ -27,6 +27,7 @@ from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
+from jaxrlhf.models.lora import LoraParams
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
@@ -128,6 +129,7 @@ class Planner:
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []
         self.notes: list[str] = []
+        self.sync_bytes: tuple[int, int] | None = None  # LoRA: (adapters, full) per iteration
         self.replicated = NamedSharding(mesh, P())
         self.key = jax.eval_shape(lambda: jax.random.key(0))
 
@@ -155,10 +157,14 @@ class Planner:
             self.notes.append(f"{what}: {e}; planned with the policy's architecture")
             return self.model_cfg, "policy architecture assumed"
 
-    def trained(self, role: str, head: str, optimizer: Any, sh: TrainState) -> Any:
+    def trained(
+        self, role: str, head: str, optimizer: Any, sh: TrainState, abstract: Any = None
+    ) -> Any:
         """Registers ``role.params`` and ``role.opt`` (in the program's state shardings
-        ``sh``); returns the abstract TrainState with its shardings."""
-        abstract = model_lib.abstract_params(self.model_cfg, head)
+        ``sh``; ``abstract``: the trained params, default the whole model); returns the
+        abstract TrainState with its shardings."""
+        if abstract is None:
+            abstract = model_lib.abstract_params(self.model_cfg, head)
         param_sh = sh.params
         state = jax.eval_shape(lambda p: create_state(p, optimizer), abstract)
         self.add(f"{role}.params", abstract, param_sh)
@@ -173,6 +179,21 @@ class Planner:
             )
         )
         return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), state, sh)
+
+    def lora(self, role: str, lora: Any, optimizer: Any, sh: TrainState) -> tuple[Any, Any]:
+        """A LoRA learner: its adapters as ``role.params`` / ``role.opt`` (:meth:`trained`)
+        and its frozen base as ``role.base``; returns ``(abstract state, abstract base)``."""
+        state = self.trained(role, lora.head, optimizer, sh, lora.trainable)
+        self.roles[-1] = dataclasses.replace(self.roles[-1], note="LoRA adapters")
+        return state, self.frozen_tree(f"{role}.base", lora, f"frozen {role} weights")
+
+    def frozen_tree(self, name: str, lora: Any, note: str) -> Any:
+        """Registers a LoRA learner's frozen base as ``name`` (a ``base`` role); returns it
+        abstract."""
+        base = self.add(name, lora.frozen, lora.frozen_shardings)
+        n = model_lib.param_count(base)
+        self.roles.append(RoleMemory("base", lora.head, n, self.nbytes(name), note=note))
+        return base
 
     def frozen(self, role: str, cfg: ModelConfig, head: str, sh: Any, note: str = "") -> Any:
         """Registers ``role.params`` (in the program's parameter shardings ``sh``); returns
@@ -233,30 +254,34 @@ def plan_supervised(pl: Planner, layout: RunLayout) -> str:
     if objective.reference is not None:
         ref_model, note = pl.arch(objective.reference.hf_dir, "dpo.reference_hf_dir")
     programs = build_supervised_programs(cfg, layout, pl.model_cfg, mesh, reference_model=ref_model)
-    role = objective.role
-    state = pl.trained(role, objective.head, programs.learner.optimizer, programs.state_shardings)
-    live = [f"{role}.params", f"{role}.opt"]
+    role, optimizer, lora = objective.role, programs.learner.optimizer, programs.lora
+    frozen = None
+    if lora is None:
+        state = pl.trained(role, objective.head, optimizer, programs.state_shardings)
+        live = [f"{role}.params", f"{role}.opt"]
+    else:
+        state, frozen = pl.lora(role, lora, optimizer, programs.state_shardings)
+        live = [f"{role}.params", f"{role}.opt", f"{role}.base"]
     batch = {
         k: _sds(shape, dtype, programs.batch_shardings[k])
         for k, (shape, dtype) in batch_layout(cfg, objective).items()
     }
     if programs.reference is not None:
-        ref_params = pl.frozen("reference", ref_model, "lm", programs.reference_shardings, note)
         ref_batch = {k: v for k, v in batch.items() if k != "reference_logps"}
-        pl.compile(
-            "score",
-            "reference",
-            programs.reference,
-            (ref_params, ref_batch),
-            live=[*live, "reference.params"],
-            passed=["reference.params"],
-        )
+        if frozen is not None and objective.reference.hf_dir is None:  # the base itself
+            pl.notes.append("the reference is the LoRA base (no copy)")
+            args, ref_live, ref_passed = (frozen, ref_batch), live, [f"{role}.base"]
+        else:
+            ref_params = pl.frozen("reference", ref_model, "lm", programs.reference_shardings, note)
+            args, ref_live = (ref_params, ref_batch), [*live, "reference.params"]
+            ref_passed = ["reference.params"]
+        pl.compile("score", "reference", programs.reference, args, live=ref_live, passed=ref_passed)
         if objective.reference.precompute:
             pl.notes.append("reference log-probs are precomputed, then the reference is freed")
-        else:
+        elif ref_passed == ["reference.params"]:
             live.append("reference.params")
-    args = (state, batch, pl.key)
-    passed = [f"{role}.params", f"{role}.opt"]
+    args = (state, batch, pl.key, frozen)
+    passed = [f"{role}.params", f"{role}.opt"] + [f"{role}.base"] * (frozen is not None)
     pl.compile("train", "train_step", programs.train_step, args, live=live, passed=passed)
     changed = [
         f"{jax.tree_util.keystr(path)} {a.dtype} -> {b.dtype}"
@@ -310,8 +335,66 @@ def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfi
     return programs, rm_model, note
 
 
+def _generate_copy(pl: Planner, name: str, source: str, shardings: Any) -> Any:
+    """Registers the generate-layout copy of the tree ``source`` as ``name`` (all of it),
+    ``name.copy`` (the leaves whose layout changes) and ``name.shared`` (the others, which
+    ``jax.device_put`` does not copy); returns the whole copy, abstract."""
+    abstract, train_sh = pl.trees[source]
+    whole = pl.add(name, abstract, shardings)
+    same = jax.tree.map(
+        lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, shardings, train_sh
+    )
+    pl.add(f"{name}.copy", *_select(same, False, abstract, shardings))
+    pl.add(f"{name}.shared", *_select(same, True, abstract, train_sh))
+    return whole
+
+
+def _plan_lora_sync(pl: Planner, programs: RLPrograms, held: list[str]) -> tuple[Any, list, list]:
+    """A LoRA policy's weights for the sampler (``weight_sync.AdapterSync``): the merge
+    program and the bytes each iteration moves; ``(merged params, live, passed)`` for the
+    sampler's programs. With ``sync: adapters`` the resident base copy joins ``held``."""
+    sync, sampler = programs.sync, programs.sampler
+    pl.sync_bytes = sync.bytes_per_iteration()
+    adapters, full = pl.sync_bytes
+    pl.notes.append(
+        f"LoRA weight sync ({sync.mode}): {_mib(adapters)} moved per iteration with adapter "
+        f"sync, {_mib(full)} with a full sync ({full / max(adapters, 1):.0f}x)"
+    )
+    merged_sh = sampler.param_shardings
+    if sync.mode == "adapters":
+        base = _generate_copy(pl, "policy.generate.base", "policy.base", merged_sh)
+        held.append("policy.generate.base.copy")
+        trainable, _ = pl.trees["policy.params"]
+        adapters_gen = pl.add("policy.generate.adapters", trainable, sync.adapter_shardings)
+        live = [*held, "policy.generate.adapters"]
+        passed = ["policy.generate.base.copy", "policy.generate.base.shared"]
+        passed.append("policy.generate.adapters")
+        pl.compile(
+            "generate", "merge", sync.merge_generate, (base, adapters_gen), live=live, passed=passed
+        )
+    else:
+        frozen = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), *pl.trees["policy.base"])
+        trainable = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), *pl.trees["policy.params"])
+        pl.compile(
+            "generate",
+            "merge",
+            sync.merge_train,
+            (frozen, trainable),
+            live=held,
+            passed=["policy.base", "policy.params"],
+        )
+    abstract, _ = pl.trees["policy.base"]
+    merged = pl.add("policy.generate", abstract, merged_sh)
+    return merged, [*held, "policy.generate"], ["policy.generate"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
 def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
-    """Prefill and decode, reading a generate-layout copy of the policy parameters."""
+    """Prefill and decode, reading a generate-layout copy of the policy parameters (with
+    LoRA, the merged weights: :func:`_plan_lora_sync`)."""
     sampler, cfg = programs.sampler, pl.cfg
     if pl.generate_mesh is not pl.mesh:
         pl.notes.append(
@@ -319,19 +402,15 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
             "its copy of the policy is counted on each of its devices, the training devices' "
             "included (an upper bound: jax.device_put may reuse a training buffer there)"
         )
-    abstract, train_sh = pl.trees["policy.params"]
-    gen_params = pl.add("policy.generate", abstract, sampler.param_shardings)
-    # Leaves whose layout does not change are shared (jax.device_put makes no copy).
-    same = jax.tree.map(
-        lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, sampler.param_shardings, train_sh
-    )
-    pl.add("policy.generate.copy", *_select(same, False, abstract, sampler.param_shardings))
-    pl.add("policy.generate.shared", *_select(same, True, abstract, train_sh))
+    if programs.sync is not None:
+        gen_params, gen_live, gen_passed = _plan_lora_sync(pl, programs, held)
+    else:
+        gen_params = _generate_copy(pl, "policy.generate", "policy.params", sampler.param_shardings)
+        gen_live = [*held, "policy.generate.copy"]
+        gen_passed = ["policy.generate.copy", "policy.generate.shared"]
     pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
     b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
     statics = programs.sampling.static()
-    gen_live = [*held, "policy.generate.copy"]
-    gen_passed = ["policy.generate.copy", "policy.generate.shared"]
     prompts = (_sds((b, p_len), jnp.int32), _sds((b, p_len), bool))
     prefill_fn = sampler.prefill_program(statics, b, p_len)
     prefill_args = (gen_params, *prompts, pl.key)
@@ -354,9 +433,12 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
     )
 
 
-def _plan_score(pl, programs, held, policy_state, ref_params, value_state, rm_params):
-    """The reward model (if any), then the policy / reference / value forwards; returns the
-    abstract rollout rows and the scored arrays (in the score program's output shardings)."""
+def _plan_score(pl, programs, held, models, rm_params):
+    """The reward model (if any), then the policy / reference / value forwards (``models``:
+    their abstract params as the score program takes them, and the trees they are); returns
+    the abstract rollout rows and the scored arrays (in the score program's output
+    shardings)."""
+    (policy_params, ref_params, value_params), passed = models
     cfg, r = pl.cfg, programs.algo.rollout
     rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
     row2, row1 = programs.rows(2), programs.rows(1)
@@ -369,14 +451,13 @@ def _plan_score(pl, programs, held, policy_state, ref_params, value_state, rm_pa
         args = (rm_params, batch.tokens, batch.mask)
         pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
     score_args = (
-        policy_state.params,
+        policy_params,
         ref_params,
-        None if value_state is None else value_state.params,
+        value_params,
         batch,
         _sds((rows,), jnp.float32, row1),
         _sds((), jnp.float32, pl.replicated),
     )
-    passed = ["policy.params", "reference.params"] + ["value.params"] * (value_state is not None)
     score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
     scored = jax.tree.map(
         lambda a, s: _sds(a.shape, a.dtype, s),
@@ -386,40 +467,83 @@ def _plan_score(pl, programs, held, policy_state, ref_params, value_state, rm_pa
     return batch, scored
 
 
+def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple, list]:
+    """Registers the learners' trees (LoRA: adapters, optimizer and frozen bases; a critic
+    from the policy shares the policy's base) and the reference (LoRA: the policy's base).
+    Returns ``(held trees, states, frozen bases, [policy, reference, value] model params and
+    the trees the score program reads)``."""
+    policy_lora, value_lora = programs.policy_lora, programs.value_lora
+    if policy_lora is None:
+        policy = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
+        ref = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
+        held = ["policy.params", "policy.opt", "reference.params"]
+        models, passed = [policy.params, ref], ["policy.params", "reference.params"]
+        frozen = [None]
+    else:
+        policy, base = pl.lora(
+            "policy", policy_lora, programs.policy.optimizer, programs.policy_shardings
+        )
+        pl.notes.append("the reference is the LoRA base (no copy)")
+        held = ["policy.params", "policy.opt", "policy.base"]
+        models = [LoraParams(base, policy.params, None), base]
+        passed, frozen = ["policy.params", "policy.base"], [base]
+    states = [policy]
+    if programs.value is not None:
+        if value_lora is None:
+            value = pl.trained(
+                "value", "scalar", programs.value.optimizer, programs.value_shardings
+            )
+            held += ["value.params", "value.opt"]
+            models.append(value.params)
+            frozen.append(None)
+        else:
+            value = pl.trained(
+                "value",
+                "scalar",
+                programs.value.optimizer,
+                programs.value_shardings,
+                value_lora.trainable,
+            )
+            held += ["value.params", "value.opt"]
+            if programs.algo.critic_init == "policy":  # shares the policy's base decoder
+                value_base = {"decoder": frozen[0]["decoder"]}
+                pl.notes.append("the LoRA critic shares the policy's frozen base (no copy)")
+            else:
+                value_base = pl.frozen_tree("value.base", value_lora, "frozen critic weights")
+                held.append("value.base")
+                passed.append("value.base")
+            models.append(LoraParams(value_base, value.params, None))
+            frozen.append(value_base)
+        passed.append("value.params")
+        states.append(value)
+    else:
+        models.append(None)
+    return held, tuple(states), tuple(frozen), [tuple(models), passed]
+
+
 def plan_rl(pl: Planner, layout: RunLayout) -> str:
-    """Generate (prefill, decode), score (reward, score) and the update of the run's
-    ``RLPrograms``; the shapes line."""
+    """Generate (prefill, decode; with LoRA the merge), score (reward, score) and the update
+    of the run's ``RLPrograms``; the shapes line."""
     cfg = pl.cfg
     programs, rm_model, rm_note = _rl_programs(pl, layout)
     algo, rl = programs.algo, layout.rl
-    policy_state = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
-    ref_params = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
-    held = ["policy.params", "policy.opt", "reference.params"]
-    value_state = None
-    if programs.value is not None:
-        value_state = pl.trained(
-            "value", "scalar", programs.value.optimizer, programs.value_shardings
-        )
-        held += ["value.params", "value.opt"]
+    held, states, frozen, models = _rl_learners(pl, programs)
     rm_params = None
     if programs.reward is not None:
         rm_params = pl.frozen("reward", rm_model, "scalar", programs.reward_shardings, rm_note)
         held.append("reward.params")
     _plan_generate(pl, programs, held)
 
-    batch, scored = _plan_score(
-        pl, programs, held, policy_state, ref_params, value_state, rm_params
-    )
+    batch, scored = _plan_score(pl, programs, held, models, rm_params)
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
     kl_coef = _sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
     learner_batch = LearnerBatch.of(batch, scored, kl_coef)
-    states = (policy_state,) + (() if value_state is None else (value_state,))
-    learners = [n for n in held if n.startswith(("policy.", "value."))]
+    learners = [n for n in held if n.startswith(("policy.", "value.")) and ".generate" not in n]
     pl.compile(
         "train",
         "update",
         programs.update,
-        (states, learner_batch, pl.key),
+        (states, learner_batch, pl.key, frozen),
         live=held,
         passed=learners,
     )

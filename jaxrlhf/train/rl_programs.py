@@ -31,6 +31,7 @@ from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lora import LoraParams, LoraSpec, combine_fn
 from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.rewards.model import reward_model_scores
 from jaxrlhf.sharding import rules_for
@@ -38,10 +39,12 @@ from jaxrlhf.sharding.micro_batches import map_micro
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.sharding.rules import Rules
 from jaxrlhf.train import rl_steps, steps
+from jaxrlhf.train.adapters import LoraLayout, lora_layout, lora_spec
 from jaxrlhf.train.optim import make_optimizer
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
 from jaxrlhf.train.state import TrainState, state_shardings
+from jaxrlhf.train.weight_sync import AdapterSync
 
 
 def sampling_params(
@@ -162,8 +165,13 @@ class RLPrograms:
       reward_shardings: the reward model's parameter shardings, or None (a function).
       score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef) -> Scored``.
       reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
-      update: ``(states, LearnerBatch, key) -> (states, UpdateOutput)``; the states tuple is
-        ``(policy,)`` or ``(policy, value)`` and is donated.
+      update: ``(states, LearnerBatch, key, frozen) -> (states, UpdateOutput)``; the states
+        tuple is ``(policy,)`` or ``(policy, value)`` and is donated; ``frozen`` holds each
+        learner's frozen base (LoRA) or None, in the same order.
+      policy_lora, value_lora: the LoRA learners' frozen/trainable layouts (``lora:``), else
+        None. A LoRA learner's TrainState holds its trainable part; the score program takes
+        its params as ``models.lora.LoraParams``.
+      sync: how the LoRA policy reaches the sampler (``weight_sync.AdapterSync``), else None.
     """
 
     algo: PPOConfig | GRPOConfig
@@ -181,6 +189,9 @@ class RLPrograms:
     score: Callable[..., Scored]
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
+    policy_lora: LoraLayout | None = None
+    value_lora: LoraLayout | None = None
+    sync: AdapterSync | None = None
 
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
@@ -194,62 +205,91 @@ class RLPrograms:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnerSetup:
+    """One learner with its TrainState shardings and, for LoRA, its frozen/trainable layout."""
+
+    learner: steps.Learner
+    shardings: TrainState
+    lora: LoraLayout | None = None
+
+    @property
+    def model_shardings(self) -> Any:
+        """Shardings of the params its forwards apply (``LoraParams`` with LoRA)."""
+        if self.lora is None:
+            return self.shardings.params
+        return LoraParams(self.lora.frozen_shardings, self.lora.trainable_shardings, None)
+
+    @property
+    def abstract_model(self) -> Any:
+        """The abstract params its forwards apply (``LoraParams`` with LoRA)."""
+        if self.lora is None:
+            module = self.learner.module.module
+            return model_lib.abstract_params(module.cfg, self.learner.objective.head)
+        return LoraParams(self.lora.frozen, self.lora.trainable, None)
+
+
 def _learner(
     model: ModelConfig,
     mesh: Mesh,
     role: str,
-    head: str,
     optimizer_cfg: Any,
     updates: int,
     objective: steps.Objective,
     max_new_tokens: int,
-) -> tuple[steps.Learner, TrainState]:
+    spec: LoraSpec | None = None,
+) -> LearnerSetup:
     """The learner of ``role`` (train rules): its model applied through a RolloutForward that
-    packs the objective's ``row_group``."""
-    rules = rules_for(role, "train")
-    param_sh = param_shardings(model, mesh, rules, head)
+    packs the objective's ``row_group``; with ``spec``, LoRA adapters are its trainable part."""
+    rules, head = rules_for(role, "train"), objective.head
     optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
-    shardings = state_shardings(model_lib.abstract_params(model, head), param_sh, optimizer, mesh)
     forward = RolloutForward(
-        build_sharded(model, mesh, rules, head), max_new_tokens, objective.row_group
+        build_sharded(model, mesh, rules, head, spec), max_new_tokens, objective.row_group
     )
-    learner = steps.Learner(objective, forward, optimizer, lr_fn, rules, param_sh)
-    return learner, shardings
+    if spec is None:
+        param_sh = param_shardings(model, mesh, rules, head)
+        abstract, lora, combine = model_lib.abstract_params(model, head), None, None
+    else:
+        lora = lora_layout(model, mesh, rules, head, spec)
+        param_sh, abstract, combine = lora.trainable_shardings, lora.trainable, combine_fn(spec)
+    shardings = state_shardings(abstract, param_sh, optimizer, mesh)
+    learner = steps.Learner(objective, forward, optimizer, lr_fn, rules, param_sh, combine)
+    return LearnerSetup(learner, shardings, lora)
 
 
 def _learners(
     cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh
-) -> tuple[steps.Learner, TrainState, steps.Learner | None, TrainState | None]:
-    """``(policy, its state shardings, critic or None, its shardings or None)``."""
-    algo, rl = rl_section(cfg), layout.rl
+) -> tuple[LearnerSetup, LearnerSetup | None]:
+    """``(policy, critic or None)``; with ``lora:`` both train adapters."""
+    algo, rl, spec = rl_section(cfg), layout.rl, lora_spec(cfg)
     r, group = algo.rollout.max_new_tokens, rl.groups.update
-    policy, policy_sh = _learner(
+    policy = _learner(
         model,
         mesh,
         "policy",
-        "lm",
         cfg.optimizer,
         rl.updates,
         rl_steps.policy_objective(algo.loss, group),
         r,
+        spec,
     )
     if not isinstance(algo, PPOConfig):
-        return policy, policy_sh, None, None
+        return policy, None
     critic_opt = cfg.optimizer
     if algo.critic_lr is not None:
         critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
     gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
-    value, value_sh = _learner(
+    value = _learner(
         model,
         mesh,
         "value",
-        "scalar",
         critic_opt,
         rl.updates,
         rl_steps.value_objective(algo.value_clip, algo.loss.aggregation, group, gae),
         r,
+        spec,
     )
-    return policy, policy_sh, value, value_sh
+    return policy, value
 
 
 def _reward_program(
@@ -281,10 +321,12 @@ def _score_program(
     cfg: RunConfig,
     model: ModelConfig,
     shardings: tuple[Any, Any, Any],
+    abstract_models: tuple[Any, Any],
 ) -> Callable[..., Scored]:
     """``scoring`` jitted with its shardings: the three models' parameters as given, rollout
     rows over the data shards, the scalars replicated; the outputs' per-token arrays like
-    the rows, the metrics replicated."""
+    the rows, the metrics replicated. ``abstract_models``: the policy's and critic's (None)
+    abstract params as the forwards apply them."""
     mesh, rules = scoring.mesh, scoring.rules
     rows2, rows1 = steps.batch_sharding(mesh, rules, 2), steps.batch_sharding(mesh, rules, 1)
     replicated = NamedSharding(mesh, P())
@@ -295,12 +337,11 @@ def _score_program(
         mask=jax.ShapeDtypeStruct((n, t), bool),
         response_mask=jax.ShapeDtypeStruct((n, t), bool),
     )
-    lm, critic = model_lib.abstract_params(model), model_lib.abstract_params(model, "scalar")
     abstract = jax.eval_shape(
         scoring,
-        lm,
-        lm,
-        critic if scoring.has_critic else None,
+        abstract_models[0],
+        model_lib.abstract_params(model),
+        abstract_models[1],
         rows,
         jax.ShapeDtypeStruct((n,), jnp.float32),
         jax.ShapeDtypeStruct((), jnp.float32),
@@ -337,8 +378,15 @@ def build_rl_programs(
     """
     algo, rl = rl_section(cfg), layout.rl
     r, groups = algo.rollout.max_new_tokens, rl.groups
-    policy, policy_sh, value, value_sh = _learners(cfg, layout, model, mesh)
+    policy_setup, value_setup = _learners(cfg, layout, model, mesh)
+    policy, policy_sh = policy_setup.learner, policy_setup.shardings
+    value = None if value_setup is None else value_setup.learner
+    value_sh = None if value_setup is None else value_setup.shardings
     score_rules = rules_for("policy", "score")
+    # The reference is the frozen model without adapters: with LoRA, the policy's own base.
+    ref_sh = param_shardings(model, mesh, rules_for("reference", "score"))
+    if policy_setup.lora is not None:
+        ref_sh = policy_setup.lora.frozen_shardings
     # Old log-probs and values come from the learners' own (train-rule) modules, so the first
     # minibatch's forward is the scoring forward's computation (its ratio is 1).
     scoring = Scoring(
@@ -359,8 +407,10 @@ def build_rl_programs(
     )
     replicated = NamedSharding(mesh, P())
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
-    learners = (policy,) + (() if value is None else (value,))
-    state_sh = (policy_sh,) + (() if value_sh is None else (value_sh,))
+    setups = (policy_setup,) + (() if value_setup is None else (value_setup,))
+    learners = tuple(s.learner for s in setups)
+    state_sh = tuple(s.shardings for s in setups)
+    frozen_sh = tuple(None if s.lora is None else s.lora.frozen_shardings for s in setups)
     update = jax.jit(
         functools.partial(
             rl_steps.rl_update,
@@ -370,36 +420,47 @@ def build_rl_programs(
             num_micro=rl.num_micro,
             mesh=mesh,
         ),
-        in_shardings=(state_sh, None, replicated),
+        in_shardings=(state_sh, None, replicated, frozen_sh),
         out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
         donate_argnums=0,  # the old states' buffers are reused for the new ones
     )
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
+    sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
+    sync = None
+    if policy_setup.lora is not None:
+        sync = AdapterSync.build(policy_setup.lora, sampler, cfg.lora.sync)
     return RLPrograms(
         algo=algo,
         layout=layout,
         model=model,
         mesh=mesh,
-        sampler=Sampler(model, generate_mesh, matmul_block=matmul_block),
+        sampler=sampler,
         sampling=sampling,
         policy=policy,
         value=value,
         policy_shardings=policy_sh,
         value_shardings=value_sh,
-        reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
+        reference_shardings=ref_sh,
         reward_shardings=reward_sh,
         score=_score_program(
             scoring,
             cfg,
             model,
             (
-                policy_sh.params,
-                param_shardings(model, mesh, rules_for("reference", "score")),
-                None if value_sh is None else value_sh.params,
+                policy_setup.model_shardings,
+                ref_sh,
+                None if value_setup is None else value_setup.model_shardings,
+            ),
+            (
+                policy_setup.abstract_model,
+                None if value_setup is None else value_setup.abstract_model,
             ),
         ),
         reward=reward,
         update=update,
+        policy_lora=policy_setup.lora,
+        value_lora=None if value_setup is None else value_setup.lora,
+        sync=sync,
     )

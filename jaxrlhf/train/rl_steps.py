@@ -359,6 +359,7 @@ def rl_update(
     states: tuple[TrainState, ...],
     batch: LearnerBatch,
     key: jax.Array,
+    frozen: tuple[Any, ...] | None = None,
     *,
     learners: tuple[steps.Learner, ...],
     epochs: int,
@@ -371,7 +372,9 @@ def rl_update(
     Args:
       states: one TrainState per learner (donate them).
       batch: the rollout's ``[N, ...]`` rows with their scores.
-      key: shuffling key.
+      key: shuffling key (and LoRA dropout's).
+      frozen: each learner's frozen base (LoRA; see ``steps.Learner.combine``) or None, in
+        the order of ``states``; None: no learner has one.
       learners: static description of each learner, matching ``states``; their objectives'
         ``row_group`` (the packing of prompt groups) must agree: shuffling permutes whole
         groups and micro-batches take whole groups.
@@ -398,6 +401,7 @@ def rl_update(
         raise ValueError(f"the learners pack prompt groups differently: {sorted(group_sizes)}")
     group_size = group_sizes.pop()
     rules = learners[0].rules
+    frozen = (None,) * len(learners) if frozen is None else frozen
     # The critic first: without scored advantages, its loss computes them for the policy
     # (what the batch lacks joins the batch of the learners after).
     order = sorted(range(len(learners)), key=lambda i: learners[i].objective.role != "value")
@@ -407,7 +411,13 @@ def rl_update(
         for i in order:
             learner = learners[i]
             new_states[i], m, outputs = steps.train_step(
-                states[i], minibatch, key, learner=learner, num_micro=num_micro, mesh=mesh
+                states[i],
+                minibatch,
+                key,
+                learner=learner,
+                num_micro=num_micro,
+                mesh=mesh,
+                frozen=frozen[i],
             )
             if outputs is not None:
                 minibatch = outputs.fill(minibatch)
