@@ -524,6 +524,19 @@ def _check_lora(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
         ctx.fail("lora.targets", f"'gate': this {model_cfg.family} model's MLP has no gate")
 
 
+def _check_hydra(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
+    """A Hydra critic branches below the top layer, of a dense model, without LoRA."""
+    if cfg.algorithm != "ppo" or not cfg.ppo.hydra:
+        return
+    b, layers = cfg.ppo.value.branch_layer, model_cfg.num_layers
+    if b >= layers:
+        ctx.fail("ppo.value.branch_layer", f"must be below the model's {layers} layers, got {b}")
+    if cfg.lora is not None:
+        ctx.fail("ppo.value.branch_layer", "a Hydra critic and LoRA cannot be combined")
+    if model_cfg.num_experts:
+        ctx.fail("ppo.value.branch_layer", "a Hydra critic needs a dense model, not experts")
+
+
 def _check_data(cfg: RunConfig, ctx: _Context) -> None:
     for field in ("train", "eval"):
         src = getattr(cfg.data, field)
@@ -647,6 +660,7 @@ def validate(
     ctx = _Context(source, override_paths)
     model_cfg = _check_model(cfg, ctx)
     _check_lora(cfg, model_cfg, ctx)
+    _check_hydra(cfg, model_cfg, ctx)
     _check_data(cfg, ctx)
     given = None if mesh is None else tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
     devices, train = _device_counts(cfg, devices, None if given is None else mesh.size, ctx)

@@ -445,7 +445,8 @@ def layer_stack(
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
         length=count,
-        unroll=count if count <= UNROLL_MAX_LAYERS else 1,
+        # By the model's depth, not the stack's: a deep model's Hydra branches loop too.
+        unroll=count if cfg.num_layers <= UNROLL_MAX_LAYERS else 1,
         metadata_params={nn.PARTITION_NAME: axes.LAYERS},
     )(cfg, constrain, lora)
 

@@ -23,16 +23,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
-from jaxrlhf.models.lora import LoraParams
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
-from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
-from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
 from jaxrlhf.train.state import TrainState, create_state
 from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
 
@@ -105,7 +102,7 @@ class RoleMemory:
     note: str = ""
 
 
-def _sds(shape: Sequence[int], dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+def sds(shape: Sequence[int], dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
@@ -130,13 +127,14 @@ class Planner:
         self.programs: list[ProgramMemory] = []
         self.notes: list[str] = []
         self.sync_bytes: tuple[int, int] | None = None  # LoRA: (adapters, full) per iteration
+        self.critic_bytes: tuple[int, int] | None = None  # Hydra: (its critic, a separate one)
         self.replicated = NamedSharding(mesh, P())
         self.key = jax.eval_shape(lambda: jax.random.key(0))
 
     def add(self, name: str, abstract: Any, shardings: Any) -> Any:
         """Registers a tree; returns it as ShapeDtypeStructs carrying their shardings."""
         self.trees[name] = (abstract, shardings)
-        return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), abstract, shardings)
+        return jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
 
     def nbytes(self, *names: str) -> int:
         """Max over devices of the summed bytes of the named trees."""
@@ -178,7 +176,7 @@ class Planner:
                 optimizer_bytes=self.nbytes(f"{role}.opt"),
             )
         )
-        return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), state, sh)
+        return jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), state, sh)
 
     def lora(self, role: str, lora: Any, optimizer: Any, sh: TrainState) -> tuple[Any, Any]:
         """A LoRA learner: its adapters as ``role.params`` / ``role.opt`` (:meth:`trained`)
@@ -263,7 +261,7 @@ def plan_supervised(pl: Planner, layout: RunLayout) -> str:
         state, frozen = pl.lora(role, lora, optimizer, programs.state_shardings)
         live = [f"{role}.params", f"{role}.opt", f"{role}.base"]
     batch = {
-        k: _sds(shape, dtype, programs.batch_shardings[k])
+        k: sds(shape, dtype, programs.batch_shardings[k])
         for k, (shape, dtype) in batch_layout(cfg, objective).items()
     }
     if programs.reference is not None:
@@ -300,257 +298,4 @@ def plan_supervised(pl: Planner, layout: RunLayout) -> str:
     return (
         f"batch {cfg.train.batch_size} x {cfg.data.max_length} tokens, "
         f"{layout.num_micro} micro-batch(es) per update"
-    )
-
-
-# ---- RL (ppo, grpo) ---------------------------------------------------------------------------
-
-
-def _select(mask: Any, want: bool, *trees: Any) -> list[list[Any]]:
-    """The leaves of each tree where ``mask``'s leaf is ``want``."""
-    flags = jax.tree.leaves(mask)
-    return [[x for x, f in zip(jax.tree.leaves(t), flags, strict=True) if f == want] for t in trees]
-
-
-def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfig | None, str]:
-    """The run's RLPrograms on abstract shapes: the sampler compiled as on an accelerator
-    (no CPU weight blocks), one stop id (the tokenizer's EOS, unread here)."""
-    algo = rl_section(pl.cfg)
-    rm_model, note = None, ""
-    if algo.reward.model_dir is not None:
-        rm_model, note = pl.arch(algo.reward.model_dir, f"{pl.cfg.algorithm}.reward.model_dir")
-    else:
-        pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
-    sampling = sampling_params(algo)  # shapes only: a stop id is always one entry
-    programs = build_rl_programs(
-        pl.cfg,
-        layout,
-        pl.model_cfg,
-        pl.mesh,
-        pl.generate_mesh,
-        sampling,
-        reward_model=rm_model,
-        matmul_block=0,
-    )
-    return programs, rm_model, note
-
-
-def _generate_copy(pl: Planner, name: str, source: str, shardings: Any) -> Any:
-    """Registers the generate-layout copy of the tree ``source`` as ``name`` (all of it),
-    ``name.copy`` (the leaves whose layout changes) and ``name.shared`` (the others, which
-    ``jax.device_put`` does not copy); returns the whole copy, abstract."""
-    abstract, train_sh = pl.trees[source]
-    whole = pl.add(name, abstract, shardings)
-    same = jax.tree.map(
-        lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, shardings, train_sh
-    )
-    pl.add(f"{name}.copy", *_select(same, False, abstract, shardings))
-    pl.add(f"{name}.shared", *_select(same, True, abstract, train_sh))
-    return whole
-
-
-def _plan_lora_sync(pl: Planner, programs: RLPrograms, held: list[str]) -> tuple[Any, list, list]:
-    """A LoRA policy's weights for the sampler (``weight_sync.AdapterSync``): the merge
-    program and the bytes each iteration moves; ``(merged params, live, passed)`` for the
-    sampler's programs. With ``sync: adapters`` the resident base copy joins ``held``."""
-    sync, sampler = programs.sync, programs.sampler
-    pl.sync_bytes = sync.bytes_per_iteration()
-    adapters, full = pl.sync_bytes
-    pl.notes.append(
-        f"LoRA weight sync ({sync.mode}): {_mib(adapters)} moved per iteration with adapter "
-        f"sync, {_mib(full)} with a full sync ({full / max(adapters, 1):.0f}x)"
-    )
-    merged_sh = sampler.param_shardings
-    if sync.mode == "adapters":
-        base = _generate_copy(pl, "policy.generate.base", "policy.base", merged_sh)
-        held.append("policy.generate.base.copy")
-        trainable, _ = pl.trees["policy.params"]
-        adapters_gen = pl.add("policy.generate.adapters", trainable, sync.adapter_shardings)
-        live = [*held, "policy.generate.adapters"]
-        passed = ["policy.generate.base.copy", "policy.generate.base.shared"]
-        passed.append("policy.generate.adapters")
-        pl.compile(
-            "generate", "merge", sync.merge_generate, (base, adapters_gen), live=live, passed=passed
-        )
-    else:
-        frozen = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), *pl.trees["policy.base"])
-        trainable = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), *pl.trees["policy.params"])
-        pl.compile(
-            "generate",
-            "merge",
-            sync.merge_train,
-            (frozen, trainable),
-            live=held,
-            passed=["policy.base", "policy.params"],
-        )
-    abstract, _ = pl.trees["policy.base"]
-    merged = pl.add("policy.generate", abstract, merged_sh)
-    return merged, [*held, "policy.generate"], ["policy.generate"]
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-
-def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
-    """Prefill and decode, reading a generate-layout copy of the policy parameters (with
-    LoRA, the merged weights: :func:`_plan_lora_sync`)."""
-    sampler, cfg = programs.sampler, pl.cfg
-    if pl.generate_mesh is not pl.mesh:
-        pl.notes.append(
-            f"sampler on its own mesh {dict(pl.generate_mesh.shape)} (placement.generate_mesh); "
-            "its copy of the policy is counted on each of its devices, the training devices' "
-            "included (an upper bound: jax.device_put may reuse a training buffer there)"
-        )
-    if programs.sync is not None:
-        gen_params, gen_live, gen_passed = _plan_lora_sync(pl, programs, held)
-    else:
-        gen_params = _generate_copy(pl, "policy.generate", "policy.params", sampler.param_shardings)
-        gen_live = [*held, "policy.generate.copy"]
-        gen_passed = ["policy.generate.copy", "policy.generate.shared"]
-    pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
-    b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
-    statics = programs.sampling.static()
-    prompts = (_sds((b, p_len), jnp.int32), _sds((b, p_len), bool))
-    prefill_fn = sampler.prefill_program(statics, b, p_len)
-    prefill_args = (gen_params, *prompts, pl.key)
-    prefill = pl.compile(
-        "generate", "prefill", prefill_fn, prefill_args, live=gen_live, passed=gen_passed
-    )
-    sampler_state = jax.tree.map(
-        lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(prefill_fn, *prefill_args),
-        prefill.output_shardings,
-    )
-    arrays = jax.tree.map(lambda x: _sds(x.shape, x.dtype), programs.sampling.arrays())
-    pl.compile(
-        "generate",
-        "decode",
-        sampler.decode_program(statics, "scan", b, p_len),
-        (gen_params, sampler_state, arrays),
-        live=gen_live,
-        passed=gen_passed,
-    )
-
-
-def _plan_score(pl, programs, held, models, rm_params):
-    """The reward model (if any), then the policy / reference / value forwards (``models``:
-    their abstract params as the score program takes them, and the trees they are); returns
-    the abstract rollout rows and the scored arrays (in the score program's output
-    shardings)."""
-    (policy_params, ref_params, value_params), passed = models
-    cfg, r = pl.cfg, programs.algo.rollout
-    rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
-    row2, row1 = programs.rows(2), programs.rows(1)
-    batch = RolloutRows(
-        tokens=_sds((rows, length), jnp.int32, row2),
-        mask=_sds((rows, length), bool, row2),
-        response_mask=_sds((rows, length), bool, row2),
-    )
-    if rm_params is not None:
-        args = (rm_params, batch.tokens, batch.mask)
-        pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
-    score_args = (
-        policy_params,
-        ref_params,
-        value_params,
-        batch,
-        _sds((rows,), jnp.float32, row1),
-        _sds((), jnp.float32, pl.replicated),
-    )
-    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
-    scored = jax.tree.map(
-        lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(programs.score, *score_args),
-        score.output_shardings,
-    )
-    return batch, scored
-
-
-def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple, list]:
-    """Registers the learners' trees (LoRA: adapters, optimizer and frozen bases; a critic
-    from the policy shares the policy's base) and the reference (LoRA: the policy's base).
-    Returns ``(held trees, states, frozen bases, [policy, reference, value] model params and
-    the trees the score program reads)``."""
-    policy_lora, value_lora = programs.policy_lora, programs.value_lora
-    if policy_lora is None:
-        policy = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
-        ref = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
-        held = ["policy.params", "policy.opt", "reference.params"]
-        models, passed = [policy.params, ref], ["policy.params", "reference.params"]
-        frozen = [None]
-    else:
-        policy, base = pl.lora(
-            "policy", policy_lora, programs.policy.optimizer, programs.policy_shardings
-        )
-        pl.notes.append("the reference is the LoRA base (no copy)")
-        held = ["policy.params", "policy.opt", "policy.base"]
-        models = [LoraParams(base, policy.params, None), base]
-        passed, frozen = ["policy.params", "policy.base"], [base]
-    states = [policy]
-    if programs.value is not None:
-        if value_lora is None:
-            value = pl.trained(
-                "value", "scalar", programs.value.optimizer, programs.value_shardings
-            )
-            held += ["value.params", "value.opt"]
-            models.append(value.params)
-            frozen.append(None)
-        else:
-            value = pl.trained(
-                "value",
-                "scalar",
-                programs.value.optimizer,
-                programs.value_shardings,
-                value_lora.trainable,
-            )
-            held += ["value.params", "value.opt"]
-            if programs.algo.critic_init == "policy":  # shares the policy's base decoder
-                value_base = {"decoder": frozen[0]["decoder"]}
-                pl.notes.append("the LoRA critic shares the policy's frozen base (no copy)")
-            else:
-                value_base = pl.frozen_tree("value.base", value_lora, "frozen critic weights")
-                held.append("value.base")
-                passed.append("value.base")
-            models.append(LoraParams(value_base, value.params, None))
-            frozen.append(value_base)
-        passed.append("value.params")
-        states.append(value)
-    else:
-        models.append(None)
-    return held, tuple(states), tuple(frozen), [tuple(models), passed]
-
-
-def plan_rl(pl: Planner, layout: RunLayout) -> str:
-    """Generate (prefill, decode; with LoRA the merge), score (reward, score) and the update
-    of the run's ``RLPrograms``; the shapes line."""
-    cfg = pl.cfg
-    programs, rm_model, rm_note = _rl_programs(pl, layout)
-    algo, rl = programs.algo, layout.rl
-    held, states, frozen, models = _rl_learners(pl, programs)
-    rm_params = None
-    if programs.reward is not None:
-        rm_params = pl.frozen("reward", rm_model, "scalar", programs.reward_shardings, rm_note)
-        held.append("reward.params")
-    _plan_generate(pl, programs, held)
-
-    batch, scored = _plan_score(pl, programs, held, models, rm_params)
-    # -- train: epochs x minibatches x micro-batches of every learner ------------------------
-    kl_coef = _sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
-    learner_batch = LearnerBatch.of(batch, scored, kl_coef)
-    learners = [n for n in held if n.startswith(("policy.", "value.")) and ".generate" not in n]
-    pl.compile(
-        "train",
-        "update",
-        programs.update,
-        (states, learner_batch, pl.key, frozen),
-        live=held,
-        passed=learners,
-    )
-    loss, r = algo.loss, algo.rollout
-    return (
-        f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
-        f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "
-        f"{loss.epochs} epoch(s) x {loss.num_minibatches} minibatch(es) x {rl.num_micro} "
-        "micro-batch(es)"
     )

@@ -4,7 +4,9 @@ model and the KL controller, in the shardings of the run's programs (``rl_progra
 With LoRA (``lora:``) the learners' states hold only their trainable parts; the frozen bases
 are returned beside them (:class:`InitialStates`): the policy's base is also the reference,
 and a critic initialised from the policy shares the policy's base decoder (the same arrays),
-so the pretrained weights are held once whatever the number of roles.
+so the pretrained weights are held once whatever the number of roles. A Hydra critic
+(``ppo.value.branch_layer``) likewise shares the frozen trunk with the policy and the
+reference.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params
 from jaxrlhf.models.hf_config import checkpoint_head, load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
+from jaxrlhf.sharding.model_sharding import param_shardings
+from jaxrlhf.sharding.rules import TRAIN
 from jaxrlhf.train.adapters import initial_lora_params
+from jaxrlhf.train.hydra_setup import initial_parts
 from jaxrlhf.train.model_setup import init_params
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms
@@ -36,8 +41,10 @@ class InitialStates:
 
     Attributes:
       policy, value: the learners' TrainStates (value None for GRPO).
-      reference: the frozen reference's params (with LoRA: ``policy_frozen`` itself).
-      policy_frozen, value_frozen: the LoRA learners' frozen bases, else None.
+      reference: the frozen reference's params (with LoRA: ``policy_frozen`` itself; Hydra:
+        the trunk and a copy of the initial policy branch).
+      policy_frozen, value_frozen: the learners' frozen parts (LoRA bases, the Hydra trunk),
+        else None.
     """
 
     policy: TrainState
@@ -88,6 +95,8 @@ def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> Init
     a frozen copy of the initial policy (with LoRA, the policy's base itself)."""
     if programs.policy_lora is not None:
         return _initial_lora_states(cfg, programs, key)
+    if programs.hydra is not None:
+        return _initial_hydra_states(cfg, programs, key)
     policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
     ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
         jax.tree.map(jnp.copy, policy_params)
@@ -110,6 +119,20 @@ def _initial_lora_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -
         )
     policy_state = init_state(trainable, programs.policy.optimizer, programs.policy_shardings)
     return InitialStates(policy_state, value_state, frozen, frozen, value_frozen)
+
+
+def _initial_hydra_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> InitialStates:
+    """The trunk (frozen, shared by both learners and the reference), the policy's branch,
+    the critic's copy of it with a zero value head, and the reference's frozen copy."""
+    hydra, model = programs.hydra, programs.model
+    plain_sh = param_shardings(model, programs.mesh, TRAIN)
+    params = init_params(cfg, model, "lm", plain_sh, key)
+    trunk, policy, value, ref_branch = initial_parts(params, hydra, model.weight_dtype)
+    del params
+    policy_state = init_state(policy, programs.policy.optimizer, programs.policy_shardings)
+    value_state = init_state(value, programs.value.optimizer, programs.value_shardings)
+    reference = lora_lib.combine(trunk, ref_branch)
+    return InitialStates(policy_state, value_state, reference, trunk, trunk)
 
 
 def kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | losses.FixedKL:

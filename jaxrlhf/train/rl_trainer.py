@@ -31,7 +31,6 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import save_hf
-from jaxrlhf.models.lora import LoraParams
 from jaxrlhf.rewards import (
     RewardFn,
     call_reward_fn,
@@ -44,6 +43,7 @@ from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
 from jaxrlhf.train import rl_metrics
 from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
+from jaxrlhf.train.hydra_setup import plain_policy
 from jaxrlhf.train.model_setup import model_with_tokenizer_ids
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
@@ -133,18 +133,16 @@ class RLTrainer:
 
     @property
     def policy_params(self) -> Any:
-        """The policy as its forwards apply it: the state's params, or with LoRA a
-        ``LoraParams`` of the frozen base and the trained adapters."""
-        if self.policy_frozen is None:
-            return self.policy_state.params
-        return LoraParams(self.policy_frozen, self.policy_state.params)
+        """The policy as its forwards apply it: the state's params, or combined with its
+        frozen part (LoRA: a ``LoraParams``; Hydra: the trunk and the policy branch)."""
+        return self.programs.policy.model_params(self.policy_state.params, self.policy_frozen)
 
     @property
     def value_params(self) -> Any:
         """The critic as its forwards apply it (as :attr:`policy_params`), or None."""
-        if self.value_state is None or self.value_frozen is None:
-            return None if self.value_state is None else self.value_state.params
-        return LoraParams(self.value_frozen, self.value_state.params)
+        if self.value_state is None:
+            return None
+        return self.programs.value.model_params(self.value_state.params, self.value_frozen)
 
     def describe(self) -> str:
         """One line for the log: parameters, meshes, rollout size."""
@@ -152,7 +150,11 @@ class RLTrainer:
         placed = "" if sampler_mesh is self.mesh else f" (sampler: {dict(sampler_mesh.shape)})"
         trained = model_lib.param_count(self.policy_state.params)
         size = f"{trained:,} policy parameters"
-        if self.policy_frozen is not None:
+        if self.programs.hydra is not None:
+            size += (
+                f" trained above a frozen trunk of {model_lib.param_count(self.policy_frozen):,}"
+            )
+        elif self.policy_frozen is not None:
             total = trained + model_lib.param_count(self.policy_frozen)
             size = f"{trained:,} trained (LoRA) of {total:,} policy parameters"
         return (
@@ -393,7 +395,14 @@ class RLTrainer:
         """The policy in Hugging Face format (``*ForCausalLM``) with the tokenizer; with LoRA
         the merged policy, and the adapters alone in PEFT's format beside it."""
         lora = self.programs.policy_lora
-        if lora is not None:
+        if self.programs.hydra is not None:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                plain_policy(self.policy_frozen, self.policy_state.params),
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
+        elif lora is not None:
             export_lora(
                 hf_dir,
                 self.cfg,

@@ -1,0 +1,147 @@
+"""The score program of an RL iteration: reference (and old-policy, critic) forwards over the
+rollout, then the advantages (``rl_steps``), as one pure function jitted with its shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrlhf import losses
+from jaxrlhf.config import RunConfig
+from jaxrlhf.models.lora import combine
+from jaxrlhf.models.scoring import RolloutForward
+from jaxrlhf.sharding.micro_batches import map_micro
+from jaxrlhf.sharding.rules import Rules
+from jaxrlhf.train import rl_steps, steps
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
+from jaxrlhf.train.rl_types import RolloutRows, Scored
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """The score program's pure function (static fields; call it under ``jax.jit``).
+
+    Reference log-probs always; old log-probs unless the policy's update forward stands in;
+    for PPO the critic's values, GAE advantages and returns (or only the per-token rewards
+    when the critic's update forward runs GAE); for GRPO the group advantages.
+    """
+
+    algo: PPOConfig | GRPOConfig
+    reference: RolloutForward
+    policy: RolloutForward | None  # None: reuse_policy_forward
+    value: RolloutForward | None  # None: GRPO, or reuse_value_forward
+    has_critic: bool
+    num_micro: int
+    mesh: Mesh
+    rules: Rules
+    joint: RolloutForward | None = None  # a Hydra model: one forward for both
+
+    def forwards(self, policy_params, ref_params, value_params, rows: RolloutRows) -> Scored:
+        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time. With
+        a Hydra critic (``joint``) the old log-probs and values come from one forward of the
+        shared trunk and both branches."""
+
+        def run(r: RolloutRows) -> Scored:
+            ref, _ = self.reference.logprobs(ref_params, r.tokens, r.mask)
+            old = values = None
+            if self.joint is not None and self.policy is not None and self.value is not None:
+                both = combine(policy_params, value_params)  # trunk + both branches
+                old, values = self.joint.logprobs_and_values(both, r.tokens, r.mask)
+                return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
+            if self.policy is not None:
+                old, _ = self.policy.logprobs(policy_params, r.tokens, r.mask)
+            if self.value is not None:
+                values = self.value.values(value_params, r.tokens, r.mask)
+            return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
+
+        return map_micro(
+            run, rows, self.num_micro, self.mesh, self.rules, self.reference.group_size
+        )
+
+    def __call__(
+        self,
+        policy_params: Any,
+        ref_params: Any,
+        value_params: Any,
+        rows: RolloutRows,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+    ) -> Scored:
+        """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` []."""
+        algo, resp = self.algo, rows.response_mask
+        out = self.forwards(policy_params, ref_params, value_params, rows)
+        ref, old = out.ref_logprobs, out.old_logprobs
+        if self.has_critic and out.old_values is None:  # the critic's update runs GAE
+            rewards, m = rl_steps.ppo_token_rewards(
+                scores, old, ref, resp, kl_coef, loss_cfg=algo.loss
+            )
+            return out.replace(token_rewards=rewards, metrics=m)
+        if self.has_critic:
+            adv, ret, m = rl_steps.ppo_advantages(
+                scores,
+                old,
+                ref,
+                out.old_values,
+                resp,
+                kl_coef,
+                loss_cfg=algo.loss,
+                gamma=algo.gamma,
+                lam=algo.lam,
+                whiten=algo.whiten_advantages,
+            )
+            m.update(rl_steps.value_metrics(adv, ret, out.old_values, resp))
+            return out.replace(returns=ret, advantages=adv, metrics=m)
+        adv, m = rl_steps.grpo_advantages(
+            scores,
+            old,
+            ref,
+            resp,
+            kl_coef,
+            loss_cfg=algo.loss,
+            advantage=algo.advantage,
+            group_size=algo.rollout.num_samples,
+        )
+        m["advantages/abs_mean"] = losses.masked_mean(jnp.abs(adv), resp)
+        return out.replace(advantages=adv, metrics=m)
+
+
+def score_program(
+    scoring: Scoring,
+    cfg: RunConfig,
+    shardings: tuple[Any, Any, Any],
+    abstract_models: tuple[Any, Any, Any],
+) -> Callable[..., Scored]:
+    """``scoring`` jitted with its shardings: the three models' parameters as given, rollout
+    rows over the data shards, the scalars replicated; the outputs' per-token arrays like
+    the rows, the metrics replicated. ``abstract_models``: the policy's, the reference's and
+    the critic's (None) abstract params as the forwards apply them."""
+    mesh, rules = scoring.mesh, scoring.rules
+    rows2, rows1 = steps.batch_sharding(mesh, rules, 2), steps.batch_sharding(mesh, rules, 1)
+    replicated = NamedSharding(mesh, P())
+    r = scoring.algo.rollout
+    n, t = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
+    rows = RolloutRows(
+        tokens=jax.ShapeDtypeStruct((n, t), jnp.int32),
+        mask=jax.ShapeDtypeStruct((n, t), bool),
+        response_mask=jax.ShapeDtypeStruct((n, t), bool),
+    )
+    abstract = jax.eval_shape(
+        scoring,
+        *abstract_models,
+        rows,
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    out = jax.tree.map(lambda _: rows2, abstract.replace(metrics={}))
+    return jax.jit(
+        scoring,
+        in_shardings=(*shardings, RolloutRows(rows2, rows2, rows2), rows1, replicated),
+        out_shardings=out.replace(metrics=replicated),
+    )
