@@ -599,6 +599,23 @@ def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
     return shards
 
 
+def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Context) -> None:
+    """The rollout engine's slots split over the sampler's data shards; one process."""
+    rollout = rl_section(cfg).rollout
+    if rollout.engine != "continuous":
+        return
+    slots = rollout.slots or rollout.started_prompts * rollout.num_samples
+    if slots % sampler_shards:
+        ctx.fail(
+            f"{cfg.algorithm}.rollout.slots",
+            f"{slots} slots do not split over the sampler's {sampler_shards} data shard(s)",
+        )
+    import jax
+
+    if jax.process_count() > 1:
+        ctx.fail(f"{cfg.algorithm}.rollout.engine", "continuous runs in one process for now")
+
+
 def _supervised_micro_batches(cfg: RunConfig, shards: int, ctx: _Context) -> int:
     t = cfg.train
     if t.micro_batch_size is None:
@@ -689,6 +706,7 @@ def validate(
             _fail_with_field(ctx, str(e))
         for note in rl.notes:
             logger.warning("%s: %s", ctx.source_of(f"{cfg.algorithm}.rollout"), note)
+        _check_engine(cfg, generate or shards, devices, ctx)
         num_micro = rl.num_micro
     else:
         num_micro = _supervised_micro_batches(cfg, shards, ctx)

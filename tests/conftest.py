@@ -25,3 +25,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Start the backend now: code under test that sets the CPU device count before JAX starts
+# (the dry run's CLI does, for the mesh it plans) must find it fixed at 8 in every worker,
+# whichever test a worker happens to run first.
+assert len(jax.devices()) == 8

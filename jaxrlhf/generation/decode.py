@@ -436,7 +436,7 @@ def _attention(
     x: Float[Array, "R 1 D"],
     rope: tuple[jax.Array, jax.Array] | None,
     layer: tuple[jax.Array | None, jax.Array | None, jax.Array, jax.Array],
-    slot: Int[Array, ""],
+    slot: Int[Array, ""] | Int[Array, " R"],
     masks: tuple[jax.Array, ...],
 ) -> tuple[Float[Array, "R 1 D"], jax.Array, jax.Array]:
     prefix_k, prefix_v, gen_k, gen_v = layer
@@ -456,13 +456,20 @@ def _attention(
         k = norm.apply({"params": p["k_norm"]}, k)
     if rope is not None:
         q, k = rotate(q, *rope), rotate(k, *rope)
-    # Write this token's key/value into its slot (in place: the cache is the loop carry).
-    gen_k = jax.lax.dynamic_update_slice(
-        gen_k, k.transpose(0, 2, 3, 1).astype(gen_k.dtype), (0, 0, 0, slot)
-    )
-    gen_v = jax.lax.dynamic_update_slice(
-        gen_v, v.transpose(0, 2, 1, 3).astype(gen_v.dtype), (0, 0, slot, 0)
-    )
+    # Write this token's key/value into its slot (in place: the cache is the loop carry);
+    # with one slot per row (the engine's slots at their own steps), a scatter of one column
+    # per row.
+    if slot.ndim == 0:
+        gen_k = jax.lax.dynamic_update_slice(
+            gen_k, k.transpose(0, 2, 3, 1).astype(gen_k.dtype), (0, 0, 0, slot)
+        )
+        gen_v = jax.lax.dynamic_update_slice(
+            gen_v, v.transpose(0, 2, 1, 3).astype(gen_v.dtype), (0, 0, slot, 0)
+        )
+    else:
+        each = jnp.arange(rows)
+        gen_k = gen_k.at[each, :, :, slot].set(k[:, 0].astype(gen_k.dtype), mode="drop")
+        gen_v = gen_v.at[each, :, slot, :].set(v[:, 0].astype(gen_v.dtype), mode="drop")
     q = q.reshape(rows, kv, n_heads // kv, h)  # [R, K, G, H]; query head n reads kv head n // G
     layer = (prefix_k, prefix_v, gen_k, gen_v)
     scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
@@ -493,7 +500,7 @@ def _fused_mlp(
 def _step_masks(
     cfg: ModelConfig,
     cache: DecodeCache,
-    step: Int[Array, ""],
+    step: Int[Array, ""] | Int[Array, " R"],
     positions: Int[Array, " R"],
     prefix_mask: Bool[Array, "B P"],
     prefix_positions: Int[Array, "B P"],
@@ -501,13 +508,18 @@ def _step_masks(
     """The attention masks of one decode step, ``{sliding: masks}`` for the layer kinds the
     model has (windowed for sliding layers), and the slot this step writes.
 
-    Generated slot j holds this row's token j (the same for every row); prompt slots hold
-    real tokens where prefix_mask is True.
+    Generated slot j holds this row's token j; prompt slots hold real tokens where
+    prefix_mask is True. ``step`` is one index for every row ([]), or each row's own ([R], the
+    engine's slots; joint cache only).
     """
     rows, groups = positions.shape[0], prefix_mask.shape[0]
     n = rows // groups
     num_gen = cache.k[0].shape[-1] - (0 if cache.shared_prefix else prefix_mask.shape[1])
     gen_slots = jnp.arange(num_gen)
+    if step.ndim == 1:
+        if cache.shared_prefix:
+            raise ValueError("per-row decode steps need the joint cache (one region per row)")
+        step = step[:, None]  # [R, 1] against [T] slots
     out = {}
     for sliding in set(cfg.sliding_layers):
         prefix_ok = prefix_mask
@@ -521,6 +533,8 @@ def _step_masks(
         else:  # one [R, 1, 1, P + T] mask over the joint cache
             ok = jnp.concatenate([prefix_ok, jnp.broadcast_to(generated_ok, (rows, num_gen))], 1)
             out[sliding] = (ok[:, None, None, :],)
+    if step.ndim == 2:
+        step = step[:, 0]
     slot = step if cache.shared_prefix else prefix_mask.shape[1] + step
     return out, slot
 
@@ -533,7 +547,7 @@ def decode_step(
     tokens: Int[Array, " R"],
     positions: Int[Array, " R"],
     cache: DecodeCache,
-    step: Int[Array, ""],
+    step: Int[Array, ""] | Int[Array, " R"],
     prefix_mask: Bool[Array, "B P"],
     prefix_positions: Int[Array, "B P"],
 ) -> tuple[Float[Array, "R V"], DecodeCache]:
@@ -545,7 +559,8 @@ def decode_step(
       tokens: [R] the new token of each sample row (R = B * n, prompt-major).
       positions: [R] its position id.
       cache: the cache; generated slots ``> step`` may hold anything (they are masked).
-      step: index of the new token among the generated ones.
+      step: index of the new token among the generated ones: [] for every row, or [R] each
+        row's own (the engine's slots; joint cache only).
       prefix_mask: [B] x [P] real prompt tokens; prefix_positions: their position ids.
 
     Returns:

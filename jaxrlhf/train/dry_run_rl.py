@@ -16,7 +16,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraParams, combine
 from jaxrlhf.sharding import rules_for
-from jaxrlhf.sharding.model_sharding import param_shardings
+from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
 from jaxrlhf.train.dry_run_phases import Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
@@ -150,6 +150,10 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
     pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
     b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
     statics = programs.sampling.static()
+    arrays = jax.tree.map(lambda x: sds(x.shape, x.dtype), programs.sampling.arrays())
+    if programs.engine is not None:
+        _plan_engine(pl, programs, gen_params, arrays, gen_live, gen_passed)
+        return
     prompts = (sds((b, p_len), jnp.int32), sds((b, p_len), bool))
     prefill_fn = sampler.prefill_program(statics, b, p_len)
     prefill_args = (gen_params, *prompts, pl.key)
@@ -161,7 +165,6 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
         jax.eval_shape(prefill_fn, *prefill_args),
         prefill.output_shardings,
     )
-    arrays = jax.tree.map(lambda x: sds(x.shape, x.dtype), programs.sampling.arrays())
     pl.compile(
         "generate",
         "decode",
@@ -169,6 +172,39 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
         (gen_params, sampler_state, arrays),
         live=gen_live,
         passed=gen_passed,
+    )
+
+
+def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
+    """The rollout engine's admission and decode-chunk programs on its slot state; a note
+    gives the slots' KV cache per device."""
+    engine, cfg = programs.engine, pl.cfg
+    r = programs.algo.rollout
+    p_len, t = cfg.data.max_prompt_length, r.max_new_tokens
+    sharding = engine.state_shardings(p_len, t)
+    abstract = jax.eval_shape(engine.empty_program(p_len, t))
+    state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, sharding)
+    a, n = engine.slots // r.num_samples, r.num_samples
+    admit_args = (
+        gen_params,
+        state,
+        sds((a, p_len), jnp.int32),
+        sds((a, p_len), bool),
+        sds((a * n,), jnp.int32),
+        sds((a * n, t), jnp.float32),
+        sds((a * n,), jnp.int32),
+    )
+    admit = engine.admit_program(n, a, p_len, t)
+    pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed)
+    chunk = engine.chunk_program(programs.sampling.static(), p_len)
+    pl.compile("generate", "decode", chunk, (gen_params, state, arrays), live=live, passed=passed)
+    per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
+    size = (
+        f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"
+    )
+    pl.notes.append(
+        f"rollout engine: {engine.slots} slots of {p_len} + {t} tokens, {engine.chunk} steps "
+        f"per chunk; its KV cache holds {size} per device"
     )
 
 

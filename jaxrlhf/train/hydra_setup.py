@@ -24,7 +24,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import combine
 from jaxrlhf.models.scoring import RolloutForward
-from jaxrlhf.sharding import ReshardStats, reshard_bytes
+from jaxrlhf.sharding import ReshardStats, reshard, reshard_bytes
 from jaxrlhf.sharding.model_sharding import activation_constraint, param_shardings
 from jaxrlhf.sharding.rules import TRAIN, logical_to_shardings
 
@@ -128,26 +128,31 @@ def plain_policy(frozen: Any, trainable: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class HydraSync:
     """The policy for the sampler: the plain model rebuilt from trunk and policy branch by
-    one jitted program whose output is in the sampler's layout (a full sync: the whole
-    model moves). Same interface as ``weight_sync.AdapterSync``."""
+    one jitted program (a full sync: the whole model moves). Its output is in the sampler's
+    layout when the sampler runs on the training devices; on another mesh
+    (``placement.generate_mesh``) it is in the training layout and is then resharded, as a
+    full-weight policy is. Same interface as ``weight_sync.AdapterSync``."""
 
     layout: HydraLayout
     sampler: Sampler
     program: Any
     full_bytes: int
+    via_train: bool = False  # the sampler's devices differ: rebuild, then reshard
     mode: str = "full"
 
     @classmethod
     def build(cls, layout: HydraLayout, sampler: Sampler) -> HydraSync:
+        model = sampler.cfg
+        train_mesh = jax.tree.leaves(layout.trunk_shardings)[0].mesh
+        train = param_shardings(model, train_mesh, TRAIN)
+        via_train = set(train_mesh.devices.flat) != set(sampler.mesh.devices.flat)
         program = jax.jit(
             _to_plain,
             in_shardings=(layout.trunk_shardings, layout.policy_shardings),
-            out_shardings=sampler.param_shardings,
+            out_shardings=train if via_train else sampler.param_shardings,
         )
-        model = sampler.cfg
-        train = param_shardings(model, sampler.mesh, TRAIN)
         full = reshard_bytes(train, sampler.param_shardings, model_lib.abstract_params(model))
-        return cls(layout, sampler, program, full)
+        return cls(layout, sampler, program, full, via_train)
 
     def generate_params(
         self, frozen: Any, resident: Any, trainable: Any
@@ -156,7 +161,13 @@ class HydraSync:
         reshard of the plain model from its training layout)."""
         del resident
         start = time.perf_counter()
-        params = jax.block_until_ready(self.program(frozen, trainable))
+        params = self.program(frozen, trainable)
+        if self.via_train:
+            params, stats = reshard(params, self.sampler.param_shardings, donate=True)
+            return params, ReshardStats(
+                stats.bytes_moved, stats.bytes_total, time.perf_counter() - start
+            )
+        params = jax.block_until_ready(params)
         total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         return params, ReshardStats(self.full_bytes, total, time.perf_counter() - start)
 

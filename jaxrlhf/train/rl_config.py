@@ -7,6 +7,7 @@ import dataclasses
 from jaxrlhf.losses import AGGREGATIONS, KL_ESTIMATORS
 
 GRPO_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+ENGINES = ("static", "continuous")
 KL_MODES = ("reward", "loss")
 CRITIC_INITS = ("policy", "reward_model")
 
@@ -38,6 +39,25 @@ class RolloutConfig:
         at once. Bounds scoring's activation memory (the float32 logits of every scored row
         are the peak for large vocabularies) at no change in results. Must divide the rows
         each data shard holds; packing needs whole prompt groups in each scoring micro-batch.
+      engine: ``"static"``: the sampler decodes every row for ``max_new_tokens`` steps;
+        ``"continuous"``: the rollout engine (``jaxrlhf.generation.engine``) keeps ``slots``
+        rows busy, a finished sample's slot taken by the next queued prompt, and hands
+        finished groups to scoring while the tail decodes. The same samples either way
+        (same key, same rows). The default is static: it needs no host round trip per
+        ``chunk_tokens`` and wins on short budgets; continuous wins when response lengths
+        are long-tailed and the budget long (benchmarks/RESULTS.md, G2).
+      slots: the engine's decode slots (None: every row of the iteration at once); a
+        multiple of ``num_samples`` and of the sampler's data shards.
+      chunk_tokens: the engine's decode steps between two hand-outs / admissions.
+      oversample_groups: the engine starts this many extra prompts and keeps the first
+        ``prompts_per_step`` groups to finish, cancelling the rest (the long tail's cut);
+        the count cut is logged.
+      token_budget: the engine admits no prompt once this many tokens are decoded in the
+        iteration (None: no budget); at least ``rows x max_new_tokens``, so the kept groups
+        always finish.
+      stop_strings: end a response once its decoded text contains one (engine only).
+      stream_scoring: with the engine, score finished groups (reference, old policy, critic)
+        between decode chunks instead of after the last one: the same arrays, earlier.
     """
 
     prompts_per_step: int = 16
@@ -49,11 +69,49 @@ class RolloutConfig:
     stop_at_eos: bool = True
     shared_prefix: bool = True
     score_micro_batch_size: int | None = None
+    engine: str = "static"
+    slots: int | None = None
+    chunk_tokens: int = 16
+    oversample_groups: int = 0
+    token_budget: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stream_scoring: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "prompts_per_step", "num_samples", "max_new_tokens")
-        if self.score_micro_batch_size is not None:
-            _positive(self, "score_micro_batch_size")
+        _positive(self, "prompts_per_step", "num_samples", "max_new_tokens", "chunk_tokens")
+        for name in ("score_micro_batch_size", "slots", "token_budget"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {list(ENGINES)}, got {self.engine!r}")
+        if self.engine == "static":
+            used = [
+                name
+                for name, on in (
+                    ("oversample_groups", self.oversample_groups),
+                    ("token_budget", self.token_budget is not None),
+                    ("stop_strings", self.stop_strings),
+                    ("slots", self.slots is not None),
+                )
+                if on
+            ]
+            if used:
+                raise ValueError(
+                    f"{used[0]}: needs engine: continuous (the static sampler has none)"
+                )
+        if self.oversample_groups < 0:
+            raise ValueError(f"oversample_groups: must be >= 0, got {self.oversample_groups}")
+        if self.slots is not None and self.slots % self.num_samples:
+            raise ValueError(
+                f"slots: {self.slots} do not hold whole groups of num_samples={self.num_samples}"
+            )
+        if self.token_budget is not None and self.token_budget < self.rows * self.max_new_tokens:
+            raise ValueError(
+                f"token_budget: {self.token_budget} is less than rows x max_new_tokens = "
+                f"{self.rows * self.max_new_tokens}, which the kept groups may need"
+            )
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings: an empty string would end every response at once")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0 for RL sampling, got {self.temperature}")
         if self.top_k < 0:
@@ -64,6 +122,11 @@ class RolloutConfig:
     @property
     def rows(self) -> int:
         return self.prompts_per_step * self.num_samples
+
+    @property
+    def started_prompts(self) -> int:
+        """Prompts drawn per iteration: ``prompts_per_step`` plus the over-sampled ones."""
+        return self.prompts_per_step + self.oversample_groups
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

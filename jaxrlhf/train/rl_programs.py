@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import combine
@@ -42,7 +43,7 @@ from jaxrlhf.train.hydra_setup import HydraLayout, HydraSync, hydra_forward
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout
 from jaxrlhf.train.rl_learners import LearnerSetup, learners
 from jaxrlhf.train.rl_scoring import Scoring, score_program
-from jaxrlhf.train.rl_types import Scored, UpdateOutput
+from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
 from jaxrlhf.train.state import TrainState
 from jaxrlhf.train.weight_sync import AdapterSync
 
@@ -83,6 +84,11 @@ class RLPrograms:
       reference_shardings: the frozen reference's parameter shardings (score rules).
       reward_shardings: the reward model's parameter shardings, or None (a function).
       score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef) -> Scored``.
+      score_forwards: ``(policy_params, ref_params, value_params, rows) -> Scored`` of the
+        forwards alone (reference, old policy, critic) on any whole groups of rows: what
+        streaming runs on finished groups while the tail decodes.
+      score_advantages: ``(forwards, response_mask, scores, kl_coef) -> Scored``: the rest
+        of ``score`` once the whole rollout's forwards are in.
       reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
       update: ``(states, LearnerBatch, key, frozen) -> (states, UpdateOutput)``; the states
         tuple is ``(policy,)`` or ``(policy, value)`` and is donated; ``frozen`` holds each
@@ -95,6 +101,7 @@ class RLPrograms:
       hydra: the Hydra model's parts (``ppo.value.branch_layer``), else None; both learners'
         frozen part is then its trunk.
       reference_abstract: the reference's abstract params.
+      engine: the rollout engine (``rollout.engine: continuous``), else None.
     """
 
     algo: PPOConfig | GRPOConfig
@@ -110,6 +117,8 @@ class RLPrograms:
     reference_shardings: Any
     reward_shardings: Any | None
     score: Callable[..., Scored]
+    score_forwards: Callable[..., Scored]
+    score_advantages: Callable[..., Scored]
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
     policy_lora: LoraLayout | None = None
@@ -117,6 +126,7 @@ class RLPrograms:
     sync: AdapterSync | HydraSync | None = None
     hydra: HydraLayout | None = None
     reference_abstract: Any = None
+    engine: Engine | None = None
 
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
@@ -263,6 +273,16 @@ def build_rl_programs(
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
+    model_sh = (
+        policy_setup.model_shardings,
+        ref_sh,
+        None if value_setup is None else value_setup.model_shardings,
+    )
+    abstract_models = (
+        policy_setup.abstract_model,
+        ref_abstract,
+        None if value_setup is None else value_setup.abstract_model,
+    )
     sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
     sync = None
     if policy_setup.lora is not None:
@@ -282,20 +302,13 @@ def build_rl_programs(
         value_shardings=value_sh,
         reference_shardings=ref_sh,
         reward_shardings=reward_sh,
-        score=score_program(
-            scoring,
-            cfg,
-            (
-                policy_setup.model_shardings,
-                ref_sh,
-                None if value_setup is None else value_setup.model_shardings,
-            ),
-            (
-                policy_setup.abstract_model,
-                ref_abstract,
-                None if value_setup is None else value_setup.abstract_model,
-            ),
+        score=score_program(scoring, cfg, model_sh, abstract_models),
+        score_forwards=jax.jit(
+            scoring.forwards,
+            in_shardings=(*model_sh, RolloutRows(rows2, rows2, rows2)),
+            out_shardings=rows2,
         ),
+        score_advantages=jax.jit(scoring.advantages),
         reward=reward,
         update=update,
         policy_lora=policy_setup.lora,
@@ -303,4 +316,15 @@ def build_rl_programs(
         sync=sync,
         hydra=hydra,
         reference_abstract=ref_abstract,
+        engine=_engine(algo, sampler),
     )
+
+
+def _engine(algo: PPOConfig | GRPOConfig, sampler: Sampler) -> Engine | None:
+    """The rollout engine of ``rollout.engine: continuous`` (its slots default to every row
+    the iteration starts)."""
+    r = algo.rollout
+    if r.engine != "continuous":
+        return None
+    slots = r.slots or r.started_prompts * r.num_samples
+    return Engine(sampler, slots=slots, chunk=r.chunk_tokens)

@@ -75,8 +75,19 @@ class Scoring:
         kl_coef: jax.Array,
     ) -> Scored:
         """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` []."""
-        algo, resp = self.algo, rows.response_mask
         out = self.forwards(policy_params, ref_params, value_params, rows)
+        return self.advantages(out, rows.response_mask, scores, kl_coef)
+
+    def advantages(
+        self,
+        out: Scored,
+        response_mask: jax.Array,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+    ) -> Scored:
+        """The forwards' ``out`` of the whole rollout completed with the advantages (and
+        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []."""
+        algo, resp = self.algo, response_mask
         ref, old = out.ref_logprobs, out.old_logprobs
         if self.has_critic and out.old_values is None:  # the critic's update runs GAE
             rewards, m = rl_steps.ppo_token_rewards(

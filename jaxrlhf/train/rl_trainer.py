@@ -53,6 +53,7 @@ from jaxrlhf.train.rl_setup import (
     reward_model_config,
     reward_model_params,
 )
+from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
 from jaxrlhf.train.state import TrainState
 from jaxrlhf.train.trainable import StepOutput
@@ -175,12 +176,19 @@ class RLTrainer:
     def rollout(self, key: jax.Array) -> tuple[Rollout, dict[str, float]]:
         """Reshard, sample one batch of prompts and score it with the reward: a host
         Rollout and the phases' timings."""
+        rollout, timings, _ = self._rollout(key)
+        return rollout, timings
+
+    def _rollout(self, key: jax.Array) -> tuple[Rollout, dict[str, float], Scored | None]:
+        """:meth:`rollout`, and the scoring forwards when the engine streamed them."""
         timings: dict[str, float] = {}
         host_prompts = next(self.prompts)
         start = time.perf_counter()
         gen_params, stats = self.generate_params()
         timings["time/reshard_s"] = time.perf_counter() - start
         timings["reshard/bytes_moved"] = float(stats.bytes_moved)
+        if self.programs.engine is not None:
+            return self._engine_rollout(gen_params, host_prompts, key, timings)
         start = time.perf_counter()
         out = self.sampler.generate(
             gen_params,
@@ -194,16 +202,69 @@ class RLTrainer:
         timings["time/generate_s"] = time.perf_counter() - start
         start = time.perf_counter()
         index = np.repeat(host_prompts["index"], self.algo.rollout.num_samples)
-        rollout = self._rewarded(out, index)
-        timings["time/reward_s"] = time.perf_counter() - start
-        return rollout, timings
-
-    def _rewarded(self, out: SampleOutput, index: np.ndarray) -> Rollout:
-        """The sampler's output as a Rollout, with its raw scores (``index``: each row's
-        prompt record, whose other columns the reward function receives)."""
         tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
         mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
-        task_scores, scores = self._scores(out, tokens, mask, index)
+        task_scores, scores = self.row_scores(out, tokens, mask, index)
+        rollout = self._as_rollout(out, scores, task_scores)
+        timings["time/reward_s"] = time.perf_counter() - start
+        return rollout, timings, None
+
+    def _engine_rollout(
+        self, gen_params: Any, prompts: dict[str, np.ndarray], key: jax.Array, timings: dict
+    ) -> tuple[Rollout, dict[str, float], Scored | None]:
+        """The rollout engine's samples of ``prompts`` (the first ``prompts_per_step``
+        groups to finish), their rewards and, with ``stream_scoring``, their scoring
+        forwards, computed between decode chunks."""
+        r, programs = self.algo.rollout, self.programs
+        stream = None
+        if r.stream_scoring:
+            shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
+            micro = stream_rows(r.rows, r.num_samples, shards)
+            stream = StreamedScoring(self, prompts, micro)
+        start = time.perf_counter()
+        out = programs.engine.generate(
+            gen_params,
+            prompts["tokens"],
+            prompts["mask"],
+            key,
+            programs.sampling,
+            keep_groups=r.prompts_per_step,
+            token_budget=r.token_budget,
+            stop_strings=r.stop_strings,
+            decode=self.tokenizer.decode,
+            on_finished=None if stream is None else stream.add,
+        )
+        del gen_params
+        if stream is not None:
+            stream.close()
+        timings["time/generate_s"] = time.perf_counter() - start
+        timings["rollout/aborted_groups"] = float(out.aborted_groups)
+        timings["rollout/decoded_tokens"] = float(out.generated_tokens)
+        timings["rollout/decode_chunks"] = float(out.chunks)
+        start = time.perf_counter()
+        rows = out.finished.rows
+        sample = with_prompts(out.finished, prompts, r.num_samples)
+        forwards = None
+        if stream is None:
+            tokens = np.concatenate([sample.prompt_tokens, sample.tokens], axis=1)
+            mask = np.concatenate([sample.prompt_mask, sample.response_mask], axis=1)
+            index = prompts["index"][rows // r.num_samples]
+            task_scores, scores = self.row_scores(sample, tokens.astype(np.int32), mask, index)
+        else:
+            scores, task_scores, forwards = stream.result(rows)
+            timings["time/score_streamed_s"] = stream.seconds
+            timings["time/generate_s"] -= stream.seconds
+        rollout = self._as_rollout(sample, scores, task_scores)
+        timings["time/reward_s"] = time.perf_counter() - start
+        return rollout, timings, forwards
+
+    def _as_rollout(
+        self, out: SampleOutput, scores: np.ndarray, task_scores: np.ndarray | None
+    ) -> Rollout:
+        """Sampled rows (with their prompts) and their raw scores as a Rollout, the overlong
+        penalty applied."""
+        tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
+        mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
         reward_cfg = self.algo.reward
         scores = scores - overlong_penalty(
             np.asarray(out.lengths),
@@ -224,7 +285,7 @@ class RLTrainer:
             task_scores=task_scores,
         )
 
-    def _scores(
+    def row_scores(
         self, out: SampleOutput, tokens: np.ndarray, mask: np.ndarray, index: np.ndarray
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """``(task scores or None, raw scores)`` of the rows: the reward function's on the
@@ -275,11 +336,12 @@ class RLTrainer:
         key = jax.random.fold_in(self.key, self.steps_done)
         sample_key, update_key = jax.random.split(key)
         iter_start = time.perf_counter()
+        forwards = None
         if isinstance(self.algo, GRPOConfig) and self.algo.dynamic_sampling:
             rollout, timings = self.dynamic_rollout(sample_key)
         else:
-            rollout, timings = self.rollout(sample_key)
-        metrics = self.learn(rollout, update_key, timings)
+            rollout, timings, forwards = self._rollout(sample_key)
+        metrics = self.learn(rollout, update_key, timings, forwards=forwards)
         metrics["time/iteration_s"] = time.perf_counter() - iter_start
         metrics.update(rl_metrics.rollout_metrics(rollout, metrics))
         metrics.update(rl_metrics.throughput_metrics(self.programs, rollout, metrics))
@@ -292,10 +354,18 @@ class RLTrainer:
         return StepOutput(metrics=metrics, skipped=skipped)
 
     def learn(
-        self, rollout: Rollout, key: jax.Array, timings: dict[str, float] | None = None
+        self,
+        rollout: Rollout,
+        key: jax.Array,
+        timings: dict[str, float] | None = None,
+        *,
+        forwards: Scored | None = None,
     ) -> dict[str, float]:
         """Scores ``rollout`` (old/reference log-probs, values, advantages) and runs the
-        update; replaces the policy (and critic) state. Returns host metrics."""
+        update; replaces the policy (and critic) state. Returns host metrics.
+
+        ``forwards``: the rollout's scoring forwards, already computed (streamed while the
+        engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
         self._check_groups(rollout)
         programs = self.programs
@@ -307,14 +377,18 @@ class RLTrainer:
             rollout.scores, normalize=self.algo.reward.normalize, clip=self.algo.reward.clip
         )
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
-        scored = programs.score(
-            self.policy_params,
-            self.ref_params,
-            self.value_params,
-            rows,
-            put_global(shaped, programs.rows(1)),
-            kl_coef,
-        )
+        scores = put_global(shaped, programs.rows(1))
+        if forwards is None:
+            scored = programs.score(
+                self.policy_params,
+                self.ref_params,
+                self.value_params,
+                rows,
+                scores,
+                kl_coef,
+            )
+        else:
+            scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
         jax.block_until_ready(scored)
         timings["time/score_s"] = time.perf_counter() - start
 
@@ -507,7 +581,7 @@ def build_rl_trainer(
         tokenizer=tokenizer,
         prompts=BatchIterator(
             train_prompts,
-            algo.rollout.prompts_per_step,
+            algo.rollout.started_prompts,
             cfg.data.max_prompt_length,
             seed=cfg.data.seed,
             shuffle=cfg.data.shuffle,

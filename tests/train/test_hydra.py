@@ -137,6 +137,33 @@ def test_at_init_a_hydra_critic_equals_a_separate_critic_of_the_same_weights(
     jax.tree.map(np.testing.assert_array_equal, hydra.to_plain(ref["trunk"], ref["policy"]), plain0)
 
 
+def test_sampler_on_its_own_mesh_equals_one_mesh(fast_compile, tmp_path):
+    """placement: train on device 0, sample on all 8 devices: the plain policy is rebuilt in
+    the training layout and resharded to the sampler's; the same samples and updates as
+    everything on device 0 (as ``test_rl``'s full-weight case)."""
+    out = {}
+    for name, overrides in (
+        ("one", []),
+        (
+            "placed",
+            ["placement.train_devices=1", "placement.generate_mesh={data: 4, fsdp: 1, tensor: 2}"],
+        ),
+    ):
+        cfg, src = _config(tmp_path / name, "ppo.value.branch_layer=1", *overrides)
+        trainer = build_rl_trainer(cfg, mesh=mesh(1, 1, 1) if name == "one" else None, source=src)
+        assert trainer.sampler.mesh.size == (8 if name == "placed" else 1)
+        rollouts, moved = [], []
+        for _ in range(2):
+            key = jax.random.fold_in(trainer.key, trainer.steps_done)
+            rollouts.append(trainer.rollout(jax.random.split(key)[0])[0])
+            moved.append(trainer.step().metrics["reshard/bytes_moved"])
+        out[name] = (rollouts, moved, jax.device_get(trainer.policy_state.params))
+    for a, b in zip(out["one"][0], out["placed"][0], strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert min(out["placed"][1]) > 0
+    jax.tree.map(np.testing.assert_array_equal, out["one"][2], out["placed"][2])
+
+
 def test_dry_run_reports_the_critic_against_a_separate_one(tmp_path):
     """The Hydra critic's params and optimizer state per device, and a separate critic's,
     as the real trainers hold them (one device: per device = all)."""

@@ -26,7 +26,6 @@ def test_tiny_moe_grpo_learns_with_the_load_balancing_loss(tmp_path):
     sft_cfg = load_config(
         os.path.join(stage, "moe_grpo_sft.yaml"),
         [f"output_dir={tmp_path}/sft", "train.steps=60", *quiet],
-        device_count=1,
     )
     assert sft_cfg.model.resolve().num_experts == 4
     sft = loop.run(sft_cfg, mesh=mesh(1, 1, 1))
@@ -40,7 +39,6 @@ def test_tiny_moe_grpo_learns_with_the_load_balancing_loss(tmp_path):
             "train.steps=80",
             *quiet,
         ],
-        device_count=1,
     )
     model_cfg = grpo_cfg.model.resolve()
     assert model_cfg.family == "qwen3_moe" and model_cfg.router_aux_loss_coef == 0.01
