@@ -296,6 +296,42 @@ def decode_chunk(
     return state
 
 
+def take_view(state: SlotState, ids: Int[Array, " r"], width: int) -> SlotState:
+    """Slots ``ids`` of the state (a view of r slots), their caches cut to the prompt and the
+    first ``width`` generated slots: a chunk whose running requests are at most
+    ``width - chunk`` steps in reads no more of the cache than they fill."""
+    prompt_len = state.prefix_mask.shape[1]
+    cut = prompt_len + width
+
+    def rows(x: jax.Array) -> jax.Array:
+        return jnp.take(x, ids, axis=0)
+
+    cache = state.cache.replace(
+        k=tuple(rows(k[..., :cut]) for k in state.cache.k),
+        v=tuple(rows(v[:, :, :cut]) for v in state.cache.v),
+    )
+    return jax.tree.map(rows, state.replace(cache=None)).replace(cache=cache)
+
+
+def put_view(state: SlotState, view: SlotState, ids: Int[Array, " r"]) -> SlotState:
+    """Writes a :func:`take_view` view back into slots ``ids`` (distinct) of the state."""
+    cut = view.cache.k[0].shape[-1] if view.cache.k else 0
+
+    def rows(full: jax.Array, part: jax.Array) -> jax.Array:
+        return full.at[ids].set(part)
+
+    cache = state.cache.replace(
+        k=tuple(
+            f.at[ids, :, :, :cut].set(k) for f, k in zip(state.cache.k, view.cache.k, strict=True)
+        ),
+        v=tuple(
+            f.at[ids, :, :cut].set(v) for f, v in zip(state.cache.v, view.cache.v, strict=True)
+        ),
+    )
+    rest = jax.tree.map(rows, state.replace(cache=None), view.replace(cache=None))
+    return rest.replace(cache=cache)
+
+
 @flax.struct.dataclass
 class Finished:
     """Samples the engine handed out (host numpy; rows of whole requests).
@@ -343,12 +379,17 @@ class Engine:
       sampler: the static sampler whose parameters layout and sharding the engine shares.
       slots: decode slots; a multiple of the sampler mesh's data shards and of ``n``.
       chunk: decode steps per jitted chunk (the admission and hand-out granularity).
+      views: decode each chunk on a view of the running slots only, with the cache cut to
+        the generated slots they can reach in the chunk (:meth:`view_buckets` sizes, one
+        program each); False decodes every slot over the whole cache every chunk.
     """
 
-    def __init__(self, sampler: Sampler, *, slots: int, chunk: int = 16) -> None:
+    def __init__(
+        self, sampler: Sampler, *, slots: int, chunk: int = 16, views: bool = True
+    ) -> None:
         if slots < 1 or chunk < 1:
             raise ValueError(f"Engine: slots={slots} and chunk={chunk} must be >= 1")
-        self.sampler, self.slots, self.chunk = sampler, slots, chunk
+        self.sampler, self.slots, self.chunk, self.views = sampler, slots, chunk, views
         self.cfg: ModelConfig = sampler.cfg
         self._jitted: dict[tuple, Any] = {}
 
@@ -451,6 +492,73 @@ class Engine:
 
         return self._program("chunk", (statics, prompt_len), build)
 
+    @functools.cached_property
+    def slot_shards(self) -> int:
+        """How many data shards split the slots (1 without a mesh)."""
+        sharding = self._sharding((axes.BATCH,), (self.slots,))
+        if sharding is None:
+            return 1
+        return self.slots // sharding.shard_shape((self.slots,))[0]
+
+    def view_chunk_program(
+        self, statics: SamplingStatics, prompt_len: int, local_rows: int, width: int
+    ) -> Any:
+        """Jitted chunk over a view: ``local_rows`` slots of each data shard (given by their
+        shard-local indices, [shards * local_rows], shard-major) and ``width`` generated
+        cache slots; the view is cut out, decoded and written back in one program."""
+
+        def build():
+            shards = decode_lib.fused_shards(self.cfg, self.sampler.param_shardings)
+            chunk = functools.partial(
+                decode_chunk,
+                self.cfg,
+                self.sampler.constrain,
+                statics,
+                self.chunk,
+                shards,
+                self.sampler.matmul_block,
+            )
+            take = functools.partial(take_view, width=width)
+            sh = self.state_shardings(prompt_len, statics.max_new_tokens)
+            if sh is not None:  # cut and write back shard-locally: no slot crosses devices
+                mesh = self.sampler.mesh
+                specs = jax.tree.map(lambda s: s.spec, sh)
+                ids_spec = specs.done
+                take = jax.shard_map(take, mesh=mesh, in_specs=(specs, ids_spec), out_specs=specs)
+                put = jax.shard_map(
+                    put_view, mesh=mesh, in_specs=(specs, specs, ids_spec), out_specs=specs
+                )
+            else:
+                put = put_view
+
+            def run(params, state, arrays, ids):
+                view = chunk(params, take(state, ids), arrays)
+                return put(state, view, ids)
+
+            if sh is None:
+                return jax.jit(run, donate_argnums=1)
+            ids_sharding = sh.done
+            return jax.jit(
+                run,
+                in_shardings=(self.sampler.param_shardings, sh, None, ids_sharding),
+                out_shardings=sh,
+                donate_argnums=1,
+            )
+
+        return self._program("view", (statics, prompt_len, local_rows, width), build)
+
+    def view_buckets(self, max_new_tokens: int) -> tuple[list[int], list[int]]:
+        """The view sizes chunks are compiled for: slots per shard (all, then halving) and
+        generated cache slots (doubling from ``4 * chunk``, then all ``max_new_tokens``)."""
+        local = self.slots // self.slot_shards
+        rows = [local]
+        while rows[-1] % 2 == 0 and rows[-1] // 2 >= max(1, local // 8):
+            rows.append(rows[-1] // 2)
+        widths = [max_new_tokens]
+        while widths[-1] // 2 >= 4 * self.chunk:
+            widths.append(widths[-1] // 2)
+        return sorted(rows), sorted(widths)
+
     # -- the host loop ---------------------------------------------------------------------
 
     def generate(
@@ -525,10 +633,17 @@ class _Run:
         self.admit_batch = engine.slots // self.n  # groups per admission (a static shape)
         self.queue = list(range(batch))
         self.slot_group = np.full(engine.slots, -1)  # the prompt each slot serves
+        self.slot_row = np.full(engine.slots, -1)  # and its sample's row
+        self.collected: dict[int, list[Finished]] = {}  # finished samples of running groups
+        self.collected_tokens = 0
         self.finished: list[Finished] = []
         self.kept: list[int] = []
         self.generated = 0
         self.chunks = 0
+        # What the host knows of each slot between chunks (read back at each hand-out).
+        self.slot_done = np.ones(engine.slots, bool)
+        self.slot_step = np.zeros(engine.slots, np.int64)
+        self.row_buckets, self.width_buckets = engine.view_buckets(self.width)
 
     def configure(
         self,
@@ -566,10 +681,17 @@ class _Run:
             state = self._admit(state)
             if not (self.slot_group >= 0).any():  # nothing running, nothing admissible
                 break
-            state = chunk_fn(self.params, state, self.arrays)
+            view = self._view() if self.engine.views else None
+            if view is None:
+                state = chunk_fn(self.params, state, self.arrays)
+            else:
+                rows, width, ids = view
+                fn = self.engine.view_chunk_program(self.statics, self.prompt_len, rows, width)
+                state = fn(self.params, state, self.arrays, ids)
             self.chunks += 1
             state = self._harvest(state)
-        aborted = int(len(self.queue) + len({g for g in self.slot_group if g >= 0}))
+        started = {int(g) for g in self.slot_group if g >= 0} | set(self.collected)
+        aborted = len(self.queue) + len(started)
         aborted += max(0, len(self.kept) - self.keep)
         keep = sorted(self.kept[: self.keep])
         finished = _concat(self.finished, self.width)
@@ -578,6 +700,22 @@ class _Run:
         chosen = np.isin(finished.rows // self.n, keep)
         finished = jax.tree.map(lambda x: x[chosen], finished)
         return EngineOutput(finished, np.asarray(keep), aborted, self.generated, self.chunks)
+
+    def _view(self) -> tuple[int, int, np.ndarray] | None:
+        """The smallest compiled view holding every running slot for the next chunk:
+        ``(slots per shard, generated width, [shards * slots per shard] shard-local slot
+        indices)``, or None for the whole state."""
+        shards = self.engine.slot_shards
+        local = self.engine.slots // shards
+        active = (~self.slot_done).reshape(shards, local)
+        need_rows = int(active.sum(1).max())
+        rows = min(b for b in self.row_buckets if b >= need_rows)
+        reach = int(self.slot_step[~self.slot_done].max(initial=0)) + self.engine.chunk
+        width = min((b for b in self.width_buckets if b >= reach), default=self.width)
+        if rows == local and width == self.width:
+            return None
+        ids = [np.concatenate([np.flatnonzero(a), np.flatnonzero(~a)])[:rows] for a in active]
+        return rows, width, np.concatenate(ids).astype(np.int32)
 
     def _admit(self, state: SlotState) -> SlotState:
         """Starts queued prompts in free slots (in order, whole groups), unless the token
@@ -596,6 +734,9 @@ class _Run:
         rows = (index[:, None] * self.n + np.arange(self.n)).reshape(-1)
         for g, p in enumerate(prompts):
             self.slot_group[free[g * self.n : (g + 1) * self.n]] = p
+            self.slot_row[free[g * self.n : (g + 1) * self.n]] = p * self.n + np.arange(self.n)
+        self.slot_done[free[: groups * self.n]] = False
+        self.slot_step[free[: groups * self.n]] = 0
         fn = self.engine.admit_program(self.n, a, self.prompt_len, self.width)
         return fn(
             self.params,
@@ -608,20 +749,18 @@ class _Run:
         )
 
     def _harvest(self, state: SlotState) -> SlotState:
-        """Hands out every group whose samples are all done; frees their slots."""
+        """Reads every finished sample out of its slot and frees the slot at once (its
+        group's other samples may still run); hands out every group whose samples are all
+        read."""
         done, step = jax.device_get((state.done, state.step))
         running = self.slot_group >= 0
-        self.generated = int(step[running].sum()) + sum(int(f.lengths.sum()) for f in self.finished)
         if self.stop_strings:
             done, state = self._stop_strings(state, done, running)
-        ready = []
-        for group in sorted({int(g) for g in self.slot_group[running]}):
-            slots = np.flatnonzero(self.slot_group == group)
-            if done[slots].all():
-                ready.append((group, slots))
-        if not ready:
+        self.slot_done, self.slot_step = np.array(done), np.array(step)
+        self.generated = int(step[running].sum()) + self.collected_tokens
+        slots = np.flatnonzero(running & self.slot_done)
+        if len(slots) == 0:
             return state
-        slots = np.concatenate([s for _, s in ready])
         host = jax.device_get(
             (
                 state.tokens[slots],
@@ -632,11 +771,10 @@ class _Run:
             )
         )
         tokens, logprobs, model_lp, lengths, stopped = (np.asarray(x) for x in host)
-        rows = np.concatenate([g * self.n + np.arange(self.n) for g, _ in ready])
         mask = np.arange(self.width)[None, :] < lengths[:, None]
         pad = self.sampling.pad_token_id
-        finished = Finished(
-            rows=rows,
+        samples = Finished(
+            rows=self.slot_row[slots].copy(),
             tokens=np.where(mask, tokens, pad),
             response_mask=mask,
             logprobs=np.where(mask, logprobs, 0.0).astype(np.float32),
@@ -644,9 +782,22 @@ class _Run:
             lengths=lengths.astype(np.int32),
             stopped=stopped,
         )
-        self.finished.append(finished)
-        self.kept.extend(g for g, _ in ready)
+        self.collected_tokens += int(samples.lengths.sum())
+        groups = self.slot_group[slots].copy()
         self.slot_group[slots] = -1
+        self.slot_row[slots] = -1
+        for i, group in enumerate(groups):
+            self.collected.setdefault(int(group), []).append(
+                jax.tree.map(lambda x, i=i: x[i : i + 1], samples)
+            )
+        ready = sorted(g for g in set(groups.tolist()) if len(self.collected[g]) == self.n)
+        if not ready:
+            return state
+        finished = _concat([part for g in ready for part in self.collected.pop(g)], self.width)
+        order = np.argsort(finished.rows, kind="stable")  # groups in order, samples in order
+        finished = jax.tree.map(lambda x: x[order], finished)
+        self.finished.append(finished)
+        self.kept.extend(ready)
         if self.on_finished is not None:
             self.on_finished(finished)
         return state

@@ -92,8 +92,8 @@ def dense(x: Float[Array, "*B K"], kernel: Float[Array, "K N"]) -> Float[Array, 
     Same result as ``jnp.einsum("BTK,KN->BTN", ...)`` but a much cheaper backward on XLA:CPU:
     the weight gradient of the 3-D einsum contracts two axes (B and T), which XLA
     canonicalises by physically transposing the ``[B, T, N]`` cotangent (fused with the
-    activation's derivative, these copies were ~25% of a bench-S policy update). The 2-D form's
-    weight gradient ``x2ᵀ g2`` is one matmul with a transposed operand and no copy.
+    activation's derivative, these copies were a large part of a small model's update). The
+    2-D form's weight gradient ``x2ᵀ g2`` is one matmul with a transposed operand and no copy.
     """
     out = jnp.dot(x.reshape(-1, x.shape[-1]), kernel)
     return out.reshape(*x.shape[:-1], kernel.shape[-1])
@@ -112,9 +112,9 @@ ACTIVATIONS = {
 # Layer stacks up to this deep run their nn.scan fully unrolled (same params, same math). A
 # scanned stack keeps each layer's activations for the backward in stacked [L, ...] buffers:
 # zero-filled, written slice by slice in the forward and read back slice by slice in the
-# backward; unrolled, XLA keeps them as plain per-layer arrays. On XLA:CPU that was ~15% of a
-# bench-S (4 layers) policy update. Compile time grows with depth (measured +1.8 s for
-# bench-S, +1.4 s for bench-M's 12 layers), so deeper stacks stay a loop.
+# backward; unrolled, XLA keeps them as plain per-layer arrays, which makes a small model's
+# update on XLA:CPU measurably faster. Compile time grows with depth, so deeper stacks stay a
+# loop (benchmarks/RESULTS.md has both figures).
 UNROLL_MAX_LAYERS = 16
 
 _REMAT_POLICIES = {

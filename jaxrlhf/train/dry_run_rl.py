@@ -198,6 +198,16 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed)
     chunk = engine.chunk_program(programs.sampling.static(), p_len)
     pl.compile("generate", "decode", chunk, (gen_params, state, arrays), live=live, passed=passed)
+    rows, widths = engine.view_buckets(t)
+    views = [(rows[-1], w) for w in widths[:-1]] + [(r, t) for r in rows[:-1]]
+    views = views if engine.views else []
+    if views:  # the largest view's copy of the cache is the peak
+        local, width = max(views, key=lambda v: v[0] * v[1])
+        view = engine.view_chunk_program(programs.sampling.static(), p_len, local, width)
+        ids_sharding = sharding.done if sharding is not None else None
+        ids = sds((local * engine.slot_shards,), jnp.int32, ids_sharding)
+        view_args = (gen_params, state, arrays, ids)
+        pl.compile("generate", "decode view", view, view_args, live=live, passed=passed)
     per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
     size = (
         f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"
@@ -205,6 +215,7 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     pl.notes.append(
         f"rollout engine: {engine.slots} slots of {p_len} + {t} tokens, {engine.chunk} steps "
         f"per chunk; its KV cache holds {size} per device"
+        + (f"; up to {len(views)} smaller decode views compile on first use" if views else "")
     )
 
 

@@ -103,13 +103,16 @@ def test_engine_settings_errors_are_one_line(tmp_path, overrides, message):
 
 
 def test_dry_run_plans_the_engine(tmp_path):
-    """The engine's admission and decode-chunk programs replace the static sampler's; the
-    note gives its KV cache: 8 slots x (16 + 6) positions x 2 layers x K=2 heads x H=8 x
-    (key + value) x 4 bytes = 45,056 B = 0.04 MiB on one device."""
+    """The engine's admission and decode-chunk programs (the whole state, and the largest
+    view) replace the static sampler's; the note gives its KV cache: 8 slots x (16 + 6)
+    positions x 2 layers x K=2 heads x H=8 x (key + value) x 4 bytes = 45,056 B = 0.04 MiB on
+    one device."""
     from jaxrlhf.train import dry_run
 
     cfg, src = _config(tmp_path, "grpo", *ENGINE)
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
-    assert [p.name for p in report.programs] == ["admit", "decode", "score", "update"]
+    names = [p.name for p in report.programs]
+    assert names == ["admit", "decode", "decode view", "score", "update"]
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
+    assert "up to 3 smaller decode views" in note  # 4, 2 or 1 of the 8 slots
