@@ -155,6 +155,9 @@ def main() -> None:
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument(
+        "--skip-while", action="store_true", help="leave out the static while-loop mode"
+    )
     args = parser.parse_args()
     if args.cpu_devices > 1 and jaxrlhf_platform.set_cpu_devices(args.cpu_devices) is not None:
         sys.exit("--cpu-devices: JAX had already started")
@@ -178,7 +181,8 @@ def main() -> None:
             runners["engine full"] = lambda o=ours: o.engine_call(lengths, views=False)
         if not args.skip_static:
             runners["static scan"] = lambda o=ours: o.static_call("scan")
-            runners["static while"] = lambda o=ours: o.static_call("while")
+            if not args.skip_while:
+                runners["static while"] = lambda o=ours: o.static_call("while")
         if not args.skip_hf:
             hf = Transformers(cfg, lengths)
             runners["transformers"] = hf.call

@@ -21,6 +21,7 @@ from jaxrlhf.models import moe
 from jaxrlhf.models.attention import causal_mask, layer_masks, positions_from_mask
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraParams, LoraSpec, split_params
+from jaxrlhf.models.packing import PackedSequences
 from jaxrlhf.models.shared_prefix import PackedGroups
 from jaxrlhf.models.transformer import HEADS, Constrain, KVCache, no_constraint
 
@@ -145,29 +146,28 @@ def forward(
 def forward_packed(
     module: nn.Module,
     params: Params,
-    packed: PackedGroups,
+    packed: PackedGroups | PackedSequences,
     select: Callable[[Float[Array, "G L D"]], Float[Array, "N M D"]],
 ) -> Float[Array, "N M ..."]:
-    """Forward of a rollout packed one prompt group per row (models/shared_prefix.py).
+    """Forward of a packed rollout: prompt groups one per row (models/shared_prefix.py) or
+    sequences packed by their real lengths (models/packing.py).
 
     Args:
       module, params: as for :func:`forward`.
-      packed: from :func:`jaxrlhf.models.shared_prefix.pack_groups`.
-      select: picks, from the ``[G, P + n*R, D]`` final hidden states, the ``[N, M, D]``
-        positions the head runs on (:func:`~jaxrlhf.models.shared_prefix.response_inputs`,
-        :func:`~jaxrlhf.models.shared_prefix.last_token_inputs`).
+      packed: from :func:`jaxrlhf.models.shared_prefix.pack_groups` or
+        :func:`jaxrlhf.models.packing.pack`.
+      select: picks, from the ``[G, L, D]`` final hidden states of the packed rows, the
+        ``[N, M, D]`` positions the head runs on (e.g.
+        :func:`~jaxrlhf.models.shared_prefix.response_inputs`,
+        :func:`~jaxrlhf.models.packing.response_inputs`).
 
     Returns:
       [N, M, V] float32 logits for an LM, [N, M] float32 values for a scalar head.
     """
-    # Real tokens of the packed rows: the prompt's (the prefix mask's diagonal) and the
-    # responses'.
-    prompt_mask = jnp.diagonal(packed.mask.prefix, axis1=1, axis2=2)
-    token_mask = jnp.concatenate(
-        [prompt_mask, packed.response_mask.reshape(prompt_mask.shape[0], -1)], axis=1
-    )
     masks = packed.layer_masks()
-    return _apply(module, params, token_mask, packed.tokens, packed.positions, masks, select=select)
+    return _apply(
+        module, params, packed.token_mask, packed.tokens, packed.positions, masks, select=select
+    )
 
 
 def forward_with_cache(

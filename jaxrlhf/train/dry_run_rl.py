@@ -1,6 +1,8 @@
 """The dry run's RL phases (``algorithm: ppo | grpo``): the sampler (with a LoRA or Hydra
 policy, the program that builds its weights), scoring and the update of the run's
-``rl_programs.RLPrograms``, compiled on abstract values (see ``dry_run_phases``).
+``rl_programs.RLPrograms``, compiled on abstract values (see ``dry_run_phases``). Programs
+that pack sequences (``rollout.pack_sequences``) compile at their largest packed size, the
+most memory.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from jaxrlhf.config import RunLayout, rl_section
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraParams, combine
+from jaxrlhf.models.packing import RowPacking, bucket_sizes
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
 from jaxrlhf.train.dry_run_phases import Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
-from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
+from jaxrlhf.train.rl_scoring import abstract_rows
+from jaxrlhf.train.rl_types import LearnerBatch
 from jaxrlhf.train.state import create_state, state_shardings
 
 # ---- RL (ppo, grpo) ---------------------------------------------------------------------------
@@ -227,27 +231,27 @@ def _plan_score(pl, programs, held, models, rm_params):
     (policy_params, ref_params, value_params), passed = models
     cfg, r = pl.cfg, programs.algo.rollout
     rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
-    row2, row1 = programs.rows(2), programs.rows(1)
-    batch = RolloutRows(
-        tokens=sds((rows, length), jnp.int32, row2),
-        mask=sds((rows, length), bool, row2),
-        response_mask=sds((rows, length), bool, row2),
+    packed = programs.planner.score_rows or None  # packed: the largest size, the most memory
+    batch = jax.tree.map(
+        lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
+        abstract_rows(rows, length, packed=packed is not None),
     )
     if rm_params is not None:
-        args = (rm_params, batch.tokens, batch.mask)
+        args = (rm_params, batch.tokens, batch.mask, batch.packing, packed)
         pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
     score_args = (
         policy_params,
         ref_params,
         value_params,
         batch,
-        sds((rows,), jnp.float32, row1),
+        sds((rows,), jnp.float32, programs.rows(1)),
         sds((), jnp.float32, pl.replicated),
+        packed,
     )
     score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
     scored = jax.tree.map(
         lambda a, s: sds(a.shape, a.dtype, s),
-        jax.eval_shape(programs.score, *score_args),
+        jax.eval_shape(lambda *a: programs.score(*a, packed), *score_args[:-1]),
         score.output_shardings,
     )
     return batch, scored
@@ -368,14 +372,19 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
 
     batch, scored = _plan_score(pl, programs, held, models, rm_params)
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
-    kl_coef = sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
+    rows = batch.tokens.shape[0]
+    kl_coef = sds((rows,), jnp.float32, pl.replicated)
     learner_batch = LearnerBatch.of(batch, scored, kl_coef)
+    packed = programs.planner.update_rows or None  # the largest packed size
+    if packed is not None:
+        plan = sds((rows, algo.loss.epochs), jnp.int32, programs.rows(2))
+        learner_batch = learner_batch.replace(packing=RowPacking(plan, plan, plan))
     learners = [n for n in held if n.startswith(("policy.", "value.")) and ".generate" not in n]
     pl.compile(
         "train",
         "update",
         programs.update,
-        (states, learner_batch, pl.key, frozen),
+        (states, learner_batch, pl.key, frozen, packed),
         live=held,
         passed=learners,
     )
@@ -384,5 +393,17 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
         f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "
         f"{loss.epochs} epoch(s) x {loss.num_minibatches} minibatch(es) x {rl.num_micro} "
-        "micro-batch(es)"
+        f"micro-batch(es){_packing_line(programs)}"
     )
+
+
+def _packing_line(programs: RLPrograms) -> str:
+    """Which phases pack sequences, into which sizes (memory is planned at the largest)."""
+    planner, parts = programs.planner, []
+    for phase, b in (("scoring", planner.score_rows), ("update", planner.update_rows)):
+        if b:
+            sizes = "/".join(map(str, bucket_sizes(b, planner.buckets)))
+            parts.append(f"{phase} {b} -> {sizes} rows per data shard")
+    if not parts:
+        return ""
+    return f"; sequences packed ({', '.join(parts)}; planned at the largest)"

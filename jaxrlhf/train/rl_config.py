@@ -39,6 +39,19 @@ class RolloutConfig:
         at once. Bounds scoring's activation memory (the float32 logits of every scored row
         are the peak for large vocabularies) at no change in results. Must divide the rows
         each data shard holds; packing needs whole prompt groups in each scoring micro-batch.
+      pack_sequences: score and train on the samples' real lengths: each data shard packs
+        the rows of a micro-batch (their real tokens only) into fewer rows of ``P + R``
+        slots, several sequences per row with block-diagonal attention and reset positions
+        (``jaxrlhf.models.packing``); with ``shared_prefix``, rows with the same prompt share
+        one copy of it where their responses fit beside it. Same math as the padded rows.
+        Considered in each phase whose micro-batches hold 2 or more rows per data shard
+        (otherwise the run logs why it is off there) and used in an iteration where it runs
+        no more slots than the rows unpacked (or in prompt groups, ``shared_prefix``). On
+        by default: RL responses mostly stop well short of ``max_new_tokens``, and by that
+        rule it never runs more model work than the unpacked path.
+      pack_buckets: packed micro-batches are sized in steps of 1/``pack_buckets`` of the
+        rows each data shard holds (rounded up), so each program compiles at most this many
+        times whatever the lengths; more steps pack tighter and compile more.
       engine: ``"static"``: the sampler decodes every row for ``max_new_tokens`` steps;
         ``"continuous"``: the rollout engine (``jaxrlhf.generation.engine``) keeps ``slots``
         rows busy, a finished sample's slot taken by the next queued prompt, and hands
@@ -57,7 +70,18 @@ class RolloutConfig:
         always finish.
       stop_strings: end a response once its decoded text contains one (engine only).
       stream_scoring: with the engine, score finished groups (reference, old policy, critic)
-        between decode chunks instead of after the last one: the same arrays, earlier.
+        between decode chunks instead of after the last one: the same arrays, earlier. Each
+        streamed batch is sequence-packed like the whole rollout (``pack_sequences``).
+      environment: multi-turn episodes (engine only): dotted path ``module.attr`` of an
+        environment class or function (``jaxrlhf.generation.environment``; the built-in tool
+        task's is ``jaxrlhf.data.tool_task.CalculatorEnv``). Each model turn goes to it; its
+        observations are appended to the sequence, out of the loss and the KL. None:
+        single-turn. ``max_new_tokens`` is then the episode's budget (model and observation
+        tokens together). Streamed scoring is off with an environment.
+      max_turns: model turns per episode at most.
+      turn_tokens: a model turn's token budget (None: the episode's).
+      env_timeout_s: an environment step that takes longer ends its episode with an error
+        observation and reward 0.
     """
 
     prompts_per_step: int = 16
@@ -69,6 +93,8 @@ class RolloutConfig:
     stop_at_eos: bool = True
     shared_prefix: bool = True
     score_micro_batch_size: int | None = None
+    pack_sequences: bool = True
+    pack_buckets: int = 4
     engine: str = "static"
     slots: int | None = None
     chunk_tokens: int = 16
@@ -76,10 +102,23 @@ class RolloutConfig:
     token_budget: int | None = None
     stop_strings: tuple[str, ...] = ()
     stream_scoring: bool = True
+    environment: str | None = None
+    max_turns: int = 4
+    turn_tokens: int | None = None
+    env_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _positive(self, "prompts_per_step", "num_samples", "max_new_tokens", "chunk_tokens")
-        for name in ("score_micro_batch_size", "slots", "token_budget"):
+        _positive(
+            self,
+            "prompts_per_step",
+            "num_samples",
+            "max_new_tokens",
+            "chunk_tokens",
+            "pack_buckets",
+            "max_turns",
+            "env_timeout_s",
+        )
+        for name in ("score_micro_batch_size", "slots", "token_budget", "turn_tokens"):
             if getattr(self, name) is not None:
                 _positive(self, name)
         if self.engine not in ENGINES:
@@ -92,6 +131,7 @@ class RolloutConfig:
                     ("token_budget", self.token_budget is not None),
                     ("stop_strings", self.stop_strings),
                     ("slots", self.slots is not None),
+                    ("environment", self.environment is not None),
                 )
                 if on
             ]
@@ -190,11 +230,13 @@ class RewardConfig:
     """Where scores come from: a programmatic function or a trained reward model.
 
     Attributes:
-      function: dotted path ``module.attr`` of a reward function, or ``builtin`` for the
-        built-in task's reward. It is called as ``fn(prompts, completions, **kwargs) -> [N]
-        scores`` (decoded text, one entry per rollout row) with, as keyword arguments it
-        accepts, ``prompt_ids``, ``completion_ids`` and every other column of the prompt's
-        dataset record (e.g. ``answer``); see ``jaxrlhf.rewards.functions``.
+      function: dotted path ``module.attr`` of a reward function, ``builtin`` for the
+        built-in task's reward, or ``environment`` for the episodes' rewards (the sum of
+        what ``rollout.environment`` returned). A function is called as ``fn(prompts,
+        completions, **kwargs) -> [N] scores`` (decoded text, one entry per rollout row)
+        with, as keyword arguments it accepts, ``prompt_ids``, ``completion_ids`` and every
+        other column of the prompt's dataset record (e.g. ``answer``); see
+        ``jaxrlhf.rewards.functions``.
       model_dir: a Hugging Face reward model (``*ForSequenceClassification``, e.g. the RM
         trainer's export); used when ``function`` is null.
       normalize: whiten scores over each rollout batch (mean 0, std 1).
@@ -281,6 +323,7 @@ class PPOConfig:
                 "critic_init: a Hydra critic (value.branch_layer) shares the policy's trunk; "
                 "it starts from the policy, not from the reward model"
             )
+        _check_environment_reward(self.rollout, self.reward)
 
     @property
     def hydra(self) -> bool:
@@ -337,6 +380,12 @@ class GRPOConfig:
             )
         if self.max_refills < 0:
             raise ValueError(f"max_refills: must be >= 0, got {self.max_refills}")
+        _check_environment_reward(self.rollout, self.reward)
+
+
+def _check_environment_reward(rollout: RolloutConfig, reward: RewardConfig) -> None:
+    if reward.function == "environment" and rollout.environment is None:
+        raise ValueError("reward.function: 'environment' needs rollout.environment")
 
 
 # ---- sizes an RL run derives from its config and mesh (pure Python; see config.validate) ---
@@ -358,13 +407,31 @@ class GroupSizes:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackSizes:
+    """Sequence packing per phase (``rollout.pack_sequences``): the rows each data shard holds
+    in one micro-batch, which packing fits into fewer rows; 0 where the phase runs its rows
+    padded.
+
+    Attributes:
+      score: in the scoring forwards (reference, old policy, critic, reward model).
+      update: in the update's micro-batches.
+    """
+
+    score: int = 0
+    update: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RLLayout:
     """What an RL run derives from its config and training mesh (``config.validate``).
 
     Attributes:
       num_micro: gradient-accumulation micro-batches per minibatch of the update.
       score_micro: scoring forwards per rollout (``rollout.score_micro_batch_size``).
-      groups: where prompt groups are packed (:class:`GroupSizes`).
+      groups: where prompt groups are packed (:class:`GroupSizes`); with sequence packing in
+        a phase, its micro-batches still take whole groups (so rows with one prompt can
+        share it) but the forward packs sequences instead.
+      packing: where sequences are packed by their real lengths (:class:`PackSizes`).
       reuse_policy_forward: the policy's update forward stands in for the old-log-prob
         scoring forward (:func:`reuses_policy_forward`).
       reuse_value_forward: the critic's update forward stands in for the value scoring
@@ -379,6 +446,7 @@ class RLLayout:
     reuse_policy_forward: bool
     reuse_value_forward: bool
     updates: int
+    packing: PackSizes = PackSizes()
     notes: tuple[str, ...] = ()
 
 
@@ -471,6 +539,24 @@ def _group_sizes(
     return GroupSizes(score, update), tuple(notes)
 
 
+def _pack_sizes(
+    algo: PPOConfig | GRPOConfig, section: str, shards: int, num_micro: int, score_micro: int
+) -> tuple[PackSizes, tuple[str, ...]]:
+    if not algo.rollout.pack_sequences:
+        return PackSizes(), ()
+    rows = algo.rollout.rows
+    score = rows // (score_micro * shards)
+    update = rows // algo.loss.num_minibatches // (num_micro * shards)
+    option, notes = f"{section}.rollout.pack_sequences", []
+    for phase, b in (("scoring", score), ("the update", update)):
+        if b < 2:
+            notes.append(
+                f"{option} is off in {phase}: its micro-batches hold {b} row per data shard "
+                "(nothing to pack beside it)"
+            )
+    return PackSizes(score if score > 1 else 0, update if update > 1 else 0), tuple(notes)
+
+
 def rl_layout(
     algo: PPOConfig | GRPOConfig,
     *,
@@ -489,6 +575,7 @@ def rl_layout(
     num_micro = _update_micro_batches(algo, section, shards, micro_batch_size)
     score_micro = _score_micro_batches(algo, section, shards)
     groups, notes = _group_sizes(algo, section, shards, num_micro, score_micro)
+    packing, pack_notes = _pack_sizes(algo, section, shards, num_micro, score_micro)
     return RLLayout(
         num_micro=num_micro,
         score_micro=score_micro,
@@ -497,5 +584,6 @@ def rl_layout(
         reuse_value_forward=isinstance(algo, PPOConfig)
         and reuses_value_forward(algo.loss, num_micro),
         updates=iterations * algo.loss.epochs * algo.loss.num_minibatches,
-        notes=notes,
+        packing=packing,
+        notes=notes + pack_notes,
     )

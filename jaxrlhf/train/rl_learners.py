@@ -4,7 +4,9 @@ TrainState shardings.
 
 A learner may train part of its model; the rest is frozen and passed to the programs beside
 its state (``steps.Learner.combine``): LoRA's base (``lora:``, ``train/adapters.py``) or a
-Hydra model's trunk (``ppo.value.branch_layer``, ``train/hydra_setup.py``).
+Hydra model's trunk (``ppo.value.branch_layer``, ``train/hydra_setup.py``). Either way the
+learner's forward packs the update's sequences where the update does
+(``RLLayout.packing.update``, ``rl_scoring.phase_forward``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jaxrlhf.train.adapters import LoraLayout, lora_layout, lora_spec
 from jaxrlhf.train.hydra_setup import HydraLayout, combine_parts, hydra_forward, hydra_layout
 from jaxrlhf.train.optim import make_optimizer
 from jaxrlhf.train.rl_config import PPOConfig
+from jaxrlhf.train.rl_scoring import phase_forward
 from jaxrlhf.train.state import TrainState, state_shardings
 
 
@@ -68,14 +71,19 @@ def _learner(
     updates: int,
     objective: steps.Objective,
     max_new_tokens: int,
+    layout: RunLayout,
     spec: LoraSpec | None = None,
 ) -> LearnerSetup:
     """The learner of ``role`` (train rules): its model applied through a RolloutForward that
-    packs the objective's ``row_group``; with ``spec``, LoRA adapters are its trainable part."""
+    packs the update's sequences, or else the objective's ``row_group``; with ``spec``, LoRA
+    adapters are its trainable part."""
     rules, head = rules_for(role, "train"), objective.head
     optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
-    forward = RolloutForward(
-        build_sharded(model, mesh, rules, head, spec), max_new_tokens, objective.row_group
+    forward = phase_forward(
+        RolloutForward(build_sharded(model, mesh, rules, head, spec), max_new_tokens),
+        objective.row_group,
+        layout.rl.packing.update,
+        layout.data_shards,
     )
     if spec is None:
         param_sh = param_shardings(model, mesh, rules, head)
@@ -99,13 +107,17 @@ def _hydra_learner(
     updates: int,
     objective: steps.Objective,
     max_new_tokens: int,
+    layout: RunLayout,
 ) -> LearnerSetup:
     """A Hydra branch as a learner: the policy's (``head`` lm) or the critic's (scalar)."""
     role = "policy" if head == "lm" else "value"
     rules = rules_for(role, "train")
     optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
-    forward = hydra_forward(
-        model, mesh, rules, hydra.branch_layer, (head,), max_new_tokens, objective.row_group
+    forward = phase_forward(
+        hydra_forward(model, mesh, rules, hydra.branch_layer, (head,), max_new_tokens, 1),
+        objective.row_group,
+        layout.rl.packing.update,
+        layout.data_shards,
     )
     abstract = hydra.policy if head == "lm" else hydra.value
     param_sh = hydra.policy_shardings if head == "lm" else hydra.value_shardings
@@ -124,7 +136,7 @@ def learners(
     policy_objective = rl_steps.policy_objective(algo.loss, group)
     if not isinstance(algo, PPOConfig):
         policy = _learner(
-            model, mesh, "policy", cfg.optimizer, rl.updates, policy_objective, r, spec
+            model, mesh, "policy", cfg.optimizer, rl.updates, policy_objective, r, layout, spec
         )
         return policy, None, None
     critic_opt = cfg.optimizer
@@ -135,12 +147,14 @@ def learners(
     if algo.hydra:
         hydra = hydra_layout(model, mesh, algo.value.branch_layer)
         policy = _hydra_learner(
-            model, mesh, hydra, "lm", cfg.optimizer, rl.updates, policy_objective, r
+            model, mesh, hydra, "lm", cfg.optimizer, rl.updates, policy_objective, r, layout
         )
         value = _hydra_learner(
-            model, mesh, hydra, "scalar", critic_opt, rl.updates, value_objective, r
+            model, mesh, hydra, "scalar", critic_opt, rl.updates, value_objective, r, layout
         )
         return policy, value, hydra
-    policy = _learner(model, mesh, "policy", cfg.optimizer, rl.updates, policy_objective, r, spec)
-    value = _learner(model, mesh, "value", critic_opt, rl.updates, value_objective, r, spec)
+    policy = _learner(
+        model, mesh, "policy", cfg.optimizer, rl.updates, policy_objective, r, layout, spec
+    )
+    value = _learner(model, mesh, "value", critic_opt, rl.updates, value_objective, r, layout, spec)
     return policy, value, None

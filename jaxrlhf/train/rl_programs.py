@@ -10,8 +10,12 @@ One iteration, each arrow one of these programs with its own shardings::
 
 :class:`RLPrograms` holds them; the trainer (``rl_trainer``) runs them on real arrays, the dry
 run (``dry_run_phases``) lowers and compiles the same objects against ``ShapeDtypeStruct``
-arguments. Packing prompt groups (``rollout.shared_prefix``) is decided here, by the
+arguments. Packing prompt groups (``rollout.shared_prefix``) and packing sequences by
+their real lengths (``rollout.pack_sequences``) are decided here, by the
 :class:`~jaxrlhf.models.scoring.RolloutForward` each program applies its models through.
+A sequence-packed program takes its rows' plan with the rows and the packed size as its
+last (static) argument; :class:`~jaxrlhf.train.rl_packing.PackingPlanner` makes both on
+the host (``RLPrograms.planner``), and the programs compile once per packed size.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,6 +39,7 @@ from jaxrlhf.models.lora import combine
 from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.rewards.model import reward_model_scores
 from jaxrlhf.sharding import rules_for
+from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.sharding.rules import TRAIN
 from jaxrlhf.train import rl_steps, steps
@@ -42,7 +48,8 @@ from jaxrlhf.train.hydra_setup import HEADS as HYDRA_HEADS
 from jaxrlhf.train.hydra_setup import HydraLayout, HydraSync, hydra_forward
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout
 from jaxrlhf.train.rl_learners import LearnerSetup, learners
-from jaxrlhf.train.rl_scoring import Scoring, score_program
+from jaxrlhf.train.rl_packing import PackingPlanner
+from jaxrlhf.train.rl_scoring import Scoring, phase_forward, score_program
 from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
 from jaxrlhf.train.state import TrainState
 from jaxrlhf.train.weight_sync import AdapterSync
@@ -83,16 +90,22 @@ class RLPrograms:
       policy_shardings, value_shardings: their TrainState shardings.
       reference_shardings: the frozen reference's parameter shardings (score rules).
       reward_shardings: the reward model's parameter shardings, or None (a function).
-      score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef) -> Scored``.
-      score_forwards: ``(policy_params, ref_params, value_params, rows) -> Scored`` of the
-        forwards alone (reference, old policy, critic) on any whole groups of rows: what
-        streaming runs on finished groups while the tail decodes.
+      score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef,
+        packed_rows) -> Scored``.
+      score_forwards: ``(policy_params, ref_params, value_params, rows, packed_rows) ->
+        Scored`` of the forwards alone (reference, old policy, critic) on any whole groups of
+        rows: what streaming runs on finished groups while the tail decodes (sequence-packed
+        like ``score``, by the planner's plan of those rows).
       score_advantages: ``(forwards, response_mask, scores, kl_coef) -> Scored``: the rest
         of ``score`` once the whole rollout's forwards are in.
-      reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
-      update: ``(states, LearnerBatch, key, frozen) -> (states, UpdateOutput)``; the states
-        tuple is ``(policy,)`` or ``(policy, value)`` and is donated; ``frozen`` holds each
-        learner's frozen base (LoRA) or None, in the same order.
+      reward: ``(rm_params, tokens, mask, packing, packed_rows) -> [N] scores`` of the
+        reward model, or None.
+      update: ``(states, LearnerBatch, key, frozen, packed_rows) -> (states,
+        UpdateOutput)``; the states tuple is ``(policy,)`` or ``(policy, value)`` and is
+        donated; ``frozen`` holds each learner's frozen part (LoRA base, Hydra trunk) or
+        None, in the same order.
+      planner: the host plans of the sequence-packed programs; a program that does not
+        pack takes ``packing`` (in the rows) and ``packed_rows`` None.
       policy_lora, value_lora: the LoRA learners' frozen/trainable layouts (``lora:``), else
         None. A LoRA learner's TrainState holds its trainable part; the score program takes
         its params as ``models.lora.LoraParams``.
@@ -121,6 +134,7 @@ class RLPrograms:
     score_advantages: Callable[..., Scored]
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
+    planner: PackingPlanner
     policy_lora: LoraLayout | None = None
     value_lora: LoraLayout | None = None
     sync: AdapterSync | HydraSync | None = None
@@ -131,6 +145,16 @@ class RLPrograms:
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
         return steps.batch_sharding(self.mesh, rules_for("policy", "score"), ndim)
+
+    def put_rows(self, tree: Any) -> Any:
+        """A host pytree of ``[N, ...]`` rows on the training mesh, split like the rows."""
+        return put_global(tree, jax.tree.map(lambda x: self.rows(np.ndim(x)), tree))
+
+    def reward_scores(self, rm_params: Any, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """[N] the reward model's scores of the host rows (packed as scoring packs)."""
+        plan = self.planner.score(tokens, mask)
+        args = self.put_rows((tokens, mask, None if plan is None else plan.packing))
+        return to_host(self.reward(rm_params, *args, None if plan is None else plan.rows))
 
     @property
     def state_shardings(self) -> tuple[TrainState, ...]:
@@ -145,21 +169,28 @@ def _reward_program(
 ) -> tuple[Callable[..., jax.Array], Any]:
     """The jitted reward-model scoring and the reward model's parameter shardings."""
     rm_rules, score_rules = rules_for("reward", "score"), rules_for("policy", "score")
-    forward = RolloutForward(
-        build_sharded(reward_model, mesh, rm_rules, "scalar"), r, layout.rl.groups.score
+    rl = layout.rl
+    forward = phase_forward(
+        RolloutForward(build_sharded(reward_model, mesh, rm_rules, "scalar"), r),
+        rl.groups.score,
+        rl.packing.score,
+        layout.data_shards,
     )
     params_sh = param_shardings(reward_model, mesh, rm_rules, "scalar")
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
+    rows1 = steps.batch_sharding(mesh, score_rules, 1)
     program = jax.jit(
         functools.partial(
             reward_model_scores,
             forward,
-            num_micro=layout.rl.score_micro,
+            num_micro=rl.score_micro,
             mesh=mesh,
             rules=score_rules,
+            group_size=rl.groups.score,
         ),
-        in_shardings=(params_sh, rows2, rows2),
-        out_shardings=steps.batch_sharding(mesh, score_rules, 1),
+        in_shardings=(params_sh, rows2, rows2, None),  # a plan (or None) comes placed
+        out_shardings=rows1,
+        static_argnums=4,  # packed_rows
     )
     return program, params_sh
 
@@ -170,17 +201,16 @@ def _reference(
     policy: LearnerSetup,
     hydra: HydraLayout | None,
     r: int,
-    group: int,
 ) -> tuple[RolloutForward, Any, Any]:
     """``(forward, shardings, abstract params)`` of the frozen reference: the plain model
     (with LoRA: the policy's own base), or for a Hydra critic the trunk with a frozen copy of
     the policy's initial branch."""
     rules = rules_for("reference", "score")
     if hydra is not None:
-        forward = hydra_forward(model, mesh, rules, hydra.branch_layer, ("lm",), r, group)
+        forward = hydra_forward(model, mesh, rules, hydra.branch_layer, ("lm",), r, 1)
         shardings = combine(hydra.trunk_shardings, hydra.policy_shardings)
         return forward, shardings, combine(hydra.trunk, hydra.policy)
-    forward = RolloutForward(build_sharded(model, mesh, rules, "lm"), r, group)
+    forward = RolloutForward(build_sharded(model, mesh, rules, "lm"), r)
     if policy.lora is not None:
         return forward, policy.lora.frozen_shardings, policy.lora.frozen
     return forward, param_shardings(model, mesh, rules), model_lib.abstract_params(model)
@@ -194,25 +224,28 @@ def _scoring(
     value: steps.Learner | None,
     joint: RolloutForward | None,
     mesh: Mesh,
+    shards: int,
 ) -> Scoring:
-    """The score program's function. Old log-probs and values come from the learners' own
-    (train-rule) modules, so the first minibatch's forward is the scoring forward's
-    computation (its ratio is 1)."""
+    """The score program's function: every forward packs scoring's prompt groups, or its
+    sequences (``rl.packing.score`` rows per shard of ``shards``). Old log-probs and values
+    come from the learners' own (train-rule) modules, so the first minibatch's forward is
+    the scoring forward's computation (its ratio is 1)."""
     group = rl.groups.score
+
+    def scoring(forward: RolloutForward | None) -> RolloutForward | None:
+        return None if forward is None else phase_forward(forward, group, rl.packing.score, shards)
+
     return Scoring(
         algo=algo,
-        reference=reference,
-        policy=None
-        if rl.reuse_policy_forward
-        else dataclasses.replace(policy.module, group_size=group),
-        value=None
-        if value is None or rl.reuse_value_forward
-        else dataclasses.replace(value.module, group_size=group),
+        reference=scoring(reference),
+        policy=None if rl.reuse_policy_forward else scoring(policy.module),
+        value=None if value is None or rl.reuse_value_forward else scoring(value.module),
         has_critic=value is not None,
         num_micro=rl.score_micro,
+        row_group=group,
         mesh=mesh,
         rules=rules_for("policy", "score"),
-        joint=None if joint is None else dataclasses.replace(joint, group_size=group),
+        joint=scoring(joint),
     )
 
 
@@ -245,13 +278,11 @@ def build_rl_programs(
     value = None if value_setup is None else value_setup.learner
     value_sh = None if value_setup is None else value_setup.shardings
     score_rules = rules_for("policy", "score")
-    reference, ref_sh, ref_abstract = _reference(
-        model, mesh, policy_setup, hydra, r, rl.groups.score
-    )
+    reference, ref_sh, ref_abstract = _reference(model, mesh, policy_setup, hydra, r)
     joint = None
     if hydra is not None:
         joint = hydra_forward(model, mesh, TRAIN, hydra.branch_layer, HYDRA_HEADS, r, 1)
-    scoring = _scoring(algo, rl, reference, policy, value, joint, mesh)
+    scoring = _scoring(algo, rl, reference, policy, value, joint, mesh, layout.data_shards)
     replicated = NamedSharding(mesh, P())
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
     setups = (policy_setup,) + (() if value_setup is None else (value_setup,))
@@ -269,6 +300,7 @@ def build_rl_programs(
         in_shardings=(state_sh, None, replicated, frozen_sh),
         out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
         donate_argnums=0,  # the old states' buffers are reused for the new ones
+        static_argnums=4,  # packed_rows
     )
     reward = reward_sh = None
     if reward_model is not None:
@@ -305,12 +337,14 @@ def build_rl_programs(
         score=score_program(scoring, cfg, model_sh, abstract_models),
         score_forwards=jax.jit(
             scoring.forwards,
-            in_shardings=(*model_sh, RolloutRows(rows2, rows2, rows2)),
+            in_shardings=(*model_sh, RolloutRows(rows2, rows2, rows2, None)),
             out_shardings=rows2,
+            static_argnums=4,  # packed_rows
         ),
         score_advantages=jax.jit(scoring.advantages),
         reward=reward,
         update=update,
+        planner=PackingPlanner.of(algo, rl, layout.data_shards, cfg.data.max_prompt_length),
         policy_lora=policy_setup.lora,
         value_lora=None if value_setup is None else value_setup.lora,
         sync=sync,

@@ -12,6 +12,7 @@ supervised trainers: ``step``, ``snapshot``, ``restore``, ``export``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -22,11 +23,19 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrlhf import losses
-from jaxrlhf.config import RunConfig, RunLayout, rl_section, validate
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section, validate
 from jaxrlhf.data import BatchIterator, TokenizedDataset, load_datasets, load_tokenizer
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tokenizer import Tokenizer
 from jaxrlhf.generation import SampleOutput
+from jaxrlhf.generation.environment import (
+    EnvError,
+    EnvFactory,
+    EpisodeConfig,
+    Episodes,
+    observation_ids,
+    resolve_environment,
+)
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
@@ -40,7 +49,7 @@ from jaxrlhf.rewards import (
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
-from jaxrlhf.train import rl_metrics
+from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.hydra_setup import plain_policy
@@ -83,6 +92,7 @@ class RLTrainer:
       steps_done: iterations done.
       last_scored: the last iteration's scored arrays, with what the update's forwards
         computed in place of scoring filled in (for inspection: tests, notebooks).
+      env_factory: ``rollout.environment``'s factory (multi-turn episodes), or None.
     """
 
     cfg: RunConfig
@@ -102,6 +112,7 @@ class RLTrainer:
     sampler_base: Any = None
     steps_done: int = 0
     last_scored: Scored | None = None
+    env_factory: EnvFactory | None = None
 
     log_window = 1  # every iteration is a row of metrics.jsonl
     summary_keys = rl_metrics.SUMMARY_KEYS
@@ -217,7 +228,7 @@ class RLTrainer:
         forwards, computed between decode chunks."""
         r, programs = self.algo.rollout, self.programs
         stream = None
-        if r.stream_scoring:
+        if r.stream_scoring and self.env_factory is None:
             shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
             micro = stream_rows(r.rows, r.num_samples, shards)
             stream = StreamedScoring(self, prompts, micro)
@@ -233,6 +244,7 @@ class RLTrainer:
             stop_strings=r.stop_strings,
             decode=self.tokenizer.decode,
             on_finished=None if stream is None else stream.add,
+            environments=self._episodes(prompts),
         )
         del gen_params
         if stream is not None:
@@ -242,6 +254,10 @@ class RLTrainer:
         timings["rollout/decoded_tokens"] = float(out.generated_tokens)
         timings["rollout/decode_chunks"] = float(out.chunks)
         start = time.perf_counter()
+        if self.env_factory is not None:
+            rollout = self._episode_rollout(out, prompts, timings)
+            timings["time/reward_s"] = time.perf_counter() - start
+            return rollout, timings, None
         rows = out.finished.rows
         sample = with_prompts(out.finished, prompts, r.num_samples)
         forwards = None
@@ -253,10 +269,78 @@ class RLTrainer:
         else:
             scores, task_scores, forwards = stream.result(rows)
             timings["time/score_streamed_s"] = stream.seconds
+            timings.update(stream.packing_metrics())
             timings["time/generate_s"] -= stream.seconds
         rollout = self._as_rollout(sample, scores, task_scores)
         timings["time/reward_s"] = time.perf_counter() - start
         return rollout, timings, forwards
+
+    def _episodes(self, prompts: dict[str, np.ndarray]) -> Episodes | None:
+        """The iteration's multi-turn episodes (None: single-turn): each prompt's dataset
+        record (with its ``prompt`` text) goes to its environments."""
+        if self.env_factory is None:
+            return None
+        r = self.algo.rollout
+        columns = self.dataset.columns(prompts["index"])
+        records = [{k: v[i] for k, v in columns.items()} for i in range(len(prompts["index"]))]
+        for record, tokens, mask in zip(records, prompts["tokens"], prompts["mask"], strict=True):
+            record.setdefault("prompt", self.tokenizer.decode(tokens[mask]))
+        return Episodes(
+            self.env_factory,
+            records,
+            EpisodeConfig(r.max_turns, r.turn_tokens, r.env_timeout_s),
+            functools.partial(observation_ids, self.tokenizer),
+            self.tokenizer.decode,
+        )
+
+    def _episode_rollout(self, out: Any, prompts: dict[str, np.ndarray], timings: dict) -> Rollout:
+        """The engine's finished episodes as a Rollout: observation tokens in ``mask`` but not
+        in ``response_mask`` (out of the loss and the KL), behaviour log-probs 0 there; the
+        episodes' rewards as scores (``reward.function: environment``) or the reward
+        function's on the whole response text (observations included)."""
+        f, r = out.finished, self.algo.rollout
+        prompt = f.rows // r.num_samples
+        p_tokens, p_mask = prompts["tokens"][prompt], prompts["mask"][prompt]
+        if self.algo.reward.function == "environment":
+            scores = f.rewards
+        else:
+            texts = [
+                self.tokenizer.decode(t[m]) for t, m in zip(f.tokens, f.sequence_mask, strict=True)
+            ]
+            _, scores = self.row_scores(
+                with_prompts(f, prompts, r.num_samples),
+                np.concatenate([p_tokens, f.tokens], 1),
+                np.concatenate([p_mask, f.sequence_mask], 1),
+                prompts["index"][prompt],
+                completions=texts,
+            )
+        scores = scores - overlong_penalty(
+            f.lengths,
+            f.stopped,
+            r.max_new_tokens,
+            self.algo.reward.overlong_buffer,
+            self.algo.reward.overlong_penalty,
+        )
+        timings["env/turns_mean"] = float(f.turns.mean())
+        timings["env/tool_use_rate"] = float((f.observations > 0).mean())
+        timings["env/observations_mean"] = float(f.observations.mean())
+        timings["env/errors"] = float(f.errors.sum())
+        timings["env/reward_mean"] = float(f.rewards.mean())
+        names = sorted({k for info in out.episode_info.values() for k in info})
+        for name in names:
+            values = [info.get(name, 0.0) for info in out.episode_info.values()]
+            timings[f"env/{name}_mean"] = float(np.mean(values))
+        zeros = np.zeros(p_mask.shape, np.float32)
+        return Rollout(
+            tokens=np.concatenate([p_tokens, f.tokens], 1).astype(np.int32),
+            mask=np.concatenate([p_mask, f.sequence_mask], 1),
+            response_mask=np.concatenate([np.zeros_like(p_mask), f.response_mask], 1),
+            lengths=f.lengths,
+            stopped=f.stopped,
+            sampler_logprobs=np.concatenate([zeros, f.model_logprobs], 1),
+            scores=np.asarray(scores, np.float32),
+            task_scores=f.rewards if self.task_fn is not None else None,
+        )
 
     def _as_rollout(
         self, out: SampleOutput, scores: np.ndarray, task_scores: np.ndarray | None
@@ -286,28 +370,31 @@ class RLTrainer:
         )
 
     def row_scores(
-        self, out: SampleOutput, tokens: np.ndarray, mask: np.ndarray, index: np.ndarray
+        self,
+        out: SampleOutput,
+        tokens: np.ndarray,
+        mask: np.ndarray,
+        index: np.ndarray,
+        completions: list[str] | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """``(task scores or None, raw scores)`` of the rows: the reward function's on the
         decoded text (the built-in task's, when it is the reward, counts as both) or the
         reward model's."""
         if self.reward_fn is None and self.task_fn is None:
-            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
-            return None, to_host(self.programs.reward(self.rm_params, *rows))
+            return None, self.programs.reward_scores(self.rm_params, tokens, mask)
         data = self.cfg.data
         prompt_ids = [t[m] for t, m in zip(out.prompt_tokens, out.prompt_mask, strict=True)]
         completion_ids = [t[m] for t, m in zip(out.tokens, out.response_mask, strict=True)]
         texts = dict(
             prompts=[self.tokenizer.decode(ids) for ids in prompt_ids],
-            completions=[self.tokenizer.decode(ids) for ids in completion_ids],
+            completions=completions or [self.tokenizer.decode(ids) for ids in completion_ids],
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
             columns=self.dataset.columns(index, exclude=(data.prompt_key, data.messages_key)),
         )
         task = None if self.task_fn is None else call_reward_fn(self.task_fn, **texts)
         if self.reward_fn is None:  # a reward model drives RL; the task reward is logged
-            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
-            return task, to_host(self.programs.reward(self.rm_params, *rows))
+            return task, self.programs.reward_scores(self.rm_params, tokens, mask)
         if self.reward_fn is self.task_fn:
             return task, task
         return task, call_reward_fn(self.reward_fn, **texts)
@@ -367,12 +454,16 @@ class RLTrainer:
         ``forwards``: the rollout's scoring forwards, already computed (streamed while the
         engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
-        self._check_groups(rollout)
         programs = self.programs
         start = time.perf_counter()
-        rows = put_global(
-            rollout.device_rows, jax.tree.map(lambda x: programs.rows(2), rollout.device_rows)
-        )
+        # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
+        # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
+        plan = None
+        if forwards is None:
+            plan = programs.planner.score(rollout.tokens, rollout.mask)
+        update_plan = programs.planner.update(rollout.tokens, rollout.mask, key)
+        self._check_groups(rollout, plan is None, update_plan is None)
+        rows = programs.put_rows(rollout.device_rows.replace(packing=plan and plan.packing))
         shaped = shape_scores(
             rollout.scores, normalize=self.algo.reward.normalize, clip=self.algo.reward.clip
         )
@@ -386,6 +477,7 @@ class RLTrainer:
                 rows,
                 scores,
                 kl_coef,
+                plan and plan.rows,
             )
         else:
             scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
@@ -394,9 +486,13 @@ class RLTrainer:
 
         start = time.perf_counter()
         batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef))
+        if update_plan is not None:
+            batch = batch.replace(packing=programs.put_rows(update_plan.packing))
         states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
         frozen = (self.policy_frozen,) + (() if self.value_state is None else (self.value_frozen,))
-        states, update = programs.update(states, batch, key, frozen)
+        states, update = programs.update(
+            states, batch, key, frozen, update_plan and update_plan.rows
+        )
         self.policy_state = states[0]
         if self.value_state is not None:
             self.value_state = states[1]
@@ -411,14 +507,16 @@ class RLTrainer:
         )
         metrics = {k: float(v) for k, v in update_metrics.items()}
         metrics.update({k: float(v) for k, v in to_host(scored.metrics).items()})
+        metrics.update(rl_packing.plan_metrics(plan, update_plan))
         metrics.update(timings)
         return metrics
 
-    def _check_groups(self, rollout: Rollout) -> None:
+    def _check_groups(self, rollout: Rollout, score_groups: bool, update_groups: bool) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
-        groups do; a hand-built rollout might not)."""
+        groups do; a hand-built rollout might not). Checked for the phases that run their
+        rows unpacked (``*_groups``): sequence packing compares the prompts itself."""
         groups = self.layout.rl.groups
-        n = max(groups.score, groups.update)
+        n = max(groups.score if score_groups else 1, groups.update if update_groups else 1)
         if n == 1:
             return
         prompt_len = rollout.tokens.shape[1] - self.algo.rollout.max_new_tokens
@@ -542,10 +640,15 @@ def build_rl_trainer(
     algo = rl_section(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
-    reward_fn = rm_cfg = task_fn = None
+    reward_fn = rm_cfg = task_fn = env_factory = None
+    if algo.rollout.environment is not None:
+        try:
+            env_factory = resolve_environment(algo.rollout.environment)
+        except EnvError as e:
+            raise ConfigError(f"{source}: {cfg.algorithm}.{e}") from None
     if algo.reward.model_dir is not None:
         rm_cfg = reward_model_config(cfg, source)
-    else:
+    elif algo.reward.function != "environment":
         reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
     if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
         task_fn = reward_fn if algo.reward.function == "builtin" else None
@@ -597,4 +700,5 @@ def build_rl_trainer(
         policy_frozen=states.policy_frozen,
         value_frozen=states.value_frozen,
         sampler_base=sampler_base,
+        env_factory=env_factory,
     )

@@ -17,6 +17,7 @@ import pytest
 
 from jaxrlhf.models import axes, hydra
 from jaxrlhf.models import model as M
+from jaxrlhf.models import packing as pk
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.scoring import RolloutForward
 from tests.models.hf_fixtures import padded_batch
@@ -71,10 +72,13 @@ def test_the_tree_and_its_logical_axes():
     assert set(hydra.abstract_params(cfg, 1, ("scalar",))) == {"trunk", "value"}
 
 
-@pytest.mark.parametrize("group_size", [1, 2])
-def test_one_forward_gives_logprobs_and_values(group_size):
+@pytest.mark.parametrize(
+    "group_size, sequences", [(1, False), (2, False), (1, True)], ids=["rows", "groups", "packed"]
+)
+def test_one_forward_gives_logprobs_and_values(group_size, sequences):
     """``RolloutForward.logprobs_and_values`` of the joint model equals the policy's
-    ``logprobs`` and the critic's ``values`` on the response indices, packed or not."""
+    ``logprobs`` and the critic's ``values`` on the response indices: rows as they are, in
+    prompt groups, or packed by their real lengths (``models/packing.py``)."""
     cfg, lm, score = _models("llama")
     trunk, policy = hydra.from_plain(lm, 1)
     params = {"trunk": trunk, "policy": policy, "value": hydra.value_from_plain(lm, 1, score)}
@@ -84,9 +88,16 @@ def test_one_forward_gives_logprobs_and_values(group_size):
     tokens = np.concatenate([prompt, rng.integers(1, cfg.vocab_size, (n, r))], 1).astype(np.int32)
     mask = np.ones_like(tokens, bool)
     mask[:, p + 3 :] = np.arange(n)[:, None] % 2 == 0  # ragged responses
+    if sequences:  # the short rows' prompts left-padded too: two of them fill one packed row
+        mask[1::2, :4] = False
     tokens = np.where(mask, tokens, 0)
     joint = RolloutForward(hydra.HydraModel(cfg, 1), r, group_size)
-    logp, values = joint.logprobs_and_values(params, tokens, mask)
+    plan = None
+    if sequences:  # one micro-batch on one shard
+        plan, stats = pk.plan_rows(tokens, mask, p, np.arange(n)[None], 1)
+        assert stats.needed < n  # 2 + 3 tokens twice in one row of p + r = 11
+        joint = RolloutForward(joint.module, r, packing=pk.PackedShape(1, stats.needed))
+    logp, values = joint.logprobs_and_values(params, tokens, mask, plan)
     plain_lm = RolloutForward(M.build(cfg), r)
     plain_critic = RolloutForward(M.build(cfg, "scalar"), r)
     want_logp, _ = plain_lm.logprobs(lm, tokens, mask)

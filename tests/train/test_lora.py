@@ -303,8 +303,15 @@ def test_dpo_on_8_devices_equals_1_device(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile")
-def test_ppo_update_on_8_devices_equals_1_device(tmp_path):
-    """PPO with LoRA policy and critic (sharing the base), one learn() on the same rollout."""
+@pytest.mark.parametrize(
+    "dropout, packed", [(0.1, False), (0.0, True)], ids=["dropout_padded", "packed"]
+)
+def test_ppo_update_on_8_devices_equals_1_device(tmp_path, dropout, packed):
+    """PPO with LoRA policy and critic (sharing the base), one learn() on the same rollout:
+    with adapter dropout on padded rows, and without dropout on sequences packed by their
+    real lengths (each data shard packs its own rows). Not both: a dropout mask is drawn
+    over the packed layout, which differs between meshes (and from the padded rows), so a
+    packed run with dropout drops other activations on another mesh."""
     states = {}
     rollout = None
     for shape in ((1, 4, 2), (1, 1, 1)):
@@ -317,7 +324,8 @@ def test_ppo_update_on_8_devices_equals_1_device(tmp_path):
             "ppo.reward.model_dir=null",
             "optimizer.eps=1e-6",
             "lora.rank=4",
-            "lora.dropout=0.1",
+            f"lora.dropout={dropout}",
+            f"ppo.rollout.pack_sequences={str(packed).lower()}",
             ALL,
             f"mesh.fsdp={shape[1]}",
             f"mesh.tensor={shape[2]}",
@@ -327,7 +335,8 @@ def test_ppo_update_on_8_devices_equals_1_device(tmp_path):
         assert trainer.value_frozen["decoder"] is trainer.policy_frozen["decoder"]  # shared
         if rollout is None:
             rollout, _ = trainer.rollout(jax.random.key(1))
-        trainer.learn(rollout, jax.random.key(2))
+        metrics = trainer.learn(rollout, jax.random.key(2))
+        assert ("packing/update_rows" in metrics) == packed
         states[shape] = jax.device_get((trainer.policy_state.params, trainer.value_state.params))
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=0),
