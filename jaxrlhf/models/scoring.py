@@ -134,6 +134,40 @@ class RolloutForward:
         logp, entropy = token_logprobs_and_entropy(logits, targets)
         return _pad_front(logp[:, :-1], start), _pad_front(entropy[:, :-1], start)
 
+    def logprobs_and_values(
+        self,
+        params: Any,
+        tokens: Int[Array, "N T"],
+        mask: Bool[Array, "N T"],
+        plan: RowPacking | None = None,
+    ) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
+        """``(logprobs, values)`` from one forward of a model with both heads (a Hydra model,
+        ``models/hydra.py``): :meth:`logprobs`' log-probs and the values at the response's
+        indices ``t >= P`` (0 before, as :meth:`values` gives them packed; sequence packing:
+        the real response tokens only). ``plan``: the rows' packing (packed forwards)."""
+        start = self.prompt_len(tokens)
+        if self.packing is not None:
+            packed = self._sequences(tokens, mask, plan)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
+            logits, values = model_lib.forward_packed(self.module, params, packed, select)
+            logp, _ = token_logprobs_and_entropy(logits, packed.head_targets)
+            return (
+                packing_lib.unpack_responses(logp, packed),
+                packing_lib.unpack_responses(values, packed),
+            )
+        if self.group_size > 1:
+            packed = self._packed(tokens, mask)
+            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
+            logits, values = model_lib.forward_packed(self.module, params, packed, select)
+            logp, _ = token_logprobs_and_entropy(logits, tokens[:, start:])
+            return _pad_front(logp, start), _pad_front(values, start)
+        logits, values = model_lib.forward(self.module, params, tokens, mask, head_from=start - 1)
+        targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+        logp, _ = token_logprobs_and_entropy(logits, targets)
+        return _pad_front(logp[:, :-1], start), _pad_front(values[:, :-1], start)
+
     def values(
         self,
         params: Any,

@@ -263,6 +263,27 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ValueConfig:
+    """The PPO critic's architecture.
+
+    Attributes:
+      branch_layer: null: a separate critic, its own copy of the whole model. An index ``B``
+        (``0 <= B < num_layers``): a Hydra critic (trlX's hydra value head with
+        ``num_layers_unfrozen = num_layers - B``): the embeddings and layers below ``B`` are
+        a frozen trunk shared by the policy and the critic, the policy trains layers ``B``
+        and up with its final norm and LM head, the critic its own copy of them with a value
+        head, and scoring runs the trunk once for the old log-probs and values. The reference
+        is the trunk plus a frozen copy of the policy's initial branch.
+    """
+
+    branch_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.branch_layer is not None and self.branch_layer < 0:
+            raise ValueError(f"branch_layer: must be >= 0 or null, got {self.branch_layer}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """``algorithm: ppo``: actor, critic, frozen reference, and a reward source.
 
@@ -274,11 +295,13 @@ class PPOConfig:
         ``reward_model`` (``reward.model_dir``); the value head starts at zero either way.
       critic_lr: the critic's learning rate (None: ``optimizer.lr``).
       whiten_advantages: normalise advantages over each rollout's response tokens.
+      value: the critic's architecture (a separate model, or a Hydra branch).
     """
 
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    value: ValueConfig = dataclasses.field(default_factory=ValueConfig)
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float | None = 0.2
@@ -295,7 +318,17 @@ class PPOConfig:
             )
         if self.critic_init == "reward_model" and self.reward.model_dir is None:
             raise ValueError("critic_init: 'reward_model' needs reward.model_dir")
+        if self.critic_init == "reward_model" and self.value.branch_layer is not None:
+            raise ValueError(
+                "critic_init: a Hydra critic (value.branch_layer) shares the policy's trunk; "
+                "it starts from the policy, not from the reward model"
+            )
         _check_environment_reward(self.rollout, self.reward)
+
+    @property
+    def hydra(self) -> bool:
+        """Whether the critic is a Hydra branch of the policy (``value.branch_layer``)."""
+        return self.value.branch_layer is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,31 +26,33 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf import losses
 from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.packing import PackedShape, RowPacking
+from jaxrlhf.models.lora import combine
 from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.rewards.model import reward_model_scores
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import put_global, to_host
-from jaxrlhf.sharding.micro_batches import map_micro
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
-from jaxrlhf.sharding.rules import Rules
+from jaxrlhf.sharding.rules import TRAIN
 from jaxrlhf.train import rl_steps, steps
-from jaxrlhf.train.optim import make_optimizer
-from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
+from jaxrlhf.train.adapters import LoraLayout
+from jaxrlhf.train.hydra_setup import HEADS as HYDRA_HEADS
+from jaxrlhf.train.hydra_setup import HydraLayout, HydraSync, hydra_forward
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout
+from jaxrlhf.train.rl_learners import LearnerSetup, learners
 from jaxrlhf.train.rl_packing import PackingPlanner
+from jaxrlhf.train.rl_scoring import Scoring, phase_forward, score_program
 from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
-from jaxrlhf.train.state import TrainState, state_shardings
+from jaxrlhf.train.state import TrainState
+from jaxrlhf.train.weight_sync import AdapterSync
 
 
 def sampling_params(
@@ -70,124 +72,6 @@ def sampling_params(
         pad_token_id=pad_id,
         return_model_logprobs=True,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Scoring:
-    """The score program's pure function (static fields; call it under ``jax.jit``).
-
-    Reference log-probs always; old log-probs unless the policy's update forward stands in;
-    for PPO the critic's values, GAE advantages and returns (or only the per-token rewards
-    when the critic's update forward runs GAE); for GRPO the group advantages.
-    ``row_group``: the rows each scoring micro-batch keeps together (prompt groups).
-    """
-
-    algo: PPOConfig | GRPOConfig
-    reference: RolloutForward
-    policy: RolloutForward | None  # None: reuse_policy_forward
-    value: RolloutForward | None  # None: GRPO, or reuse_value_forward
-    has_critic: bool
-    num_micro: int
-    row_group: int
-    mesh: Mesh
-    rules: Rules
-
-    def forwards(
-        self,
-        policy_params: Any,
-        ref_params: Any,
-        value_params: Any,
-        rows: RolloutRows,
-        packed_rows: int | None = None,
-    ) -> Scored:
-        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time;
-        sequence-packed forwards pack into ``packed_rows`` rows per shard (static; None: the
-        rows run unpacked, and ``rows.packing`` is None)."""
-        scoring = self.with_packed_rows(packed_rows)
-
-        def run(r: RolloutRows) -> Scored:
-            ref, _ = scoring.reference.logprobs(ref_params, r.tokens, r.mask, r.packing)
-            old = values = None
-            if scoring.policy is not None:
-                old, _ = scoring.policy.logprobs(policy_params, r.tokens, r.mask, r.packing)
-            if scoring.value is not None:
-                values = scoring.value.values(value_params, r.tokens, r.mask, r.packing)
-            return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
-
-        return map_micro(run, rows, self.num_micro, self.mesh, self.rules, self.row_group)
-
-    def with_packed_rows(self, rows: int | None) -> Scoring:
-        """These forwards packing sequences into ``rows`` packed rows per shard, or (None)
-        not packing sequences."""
-
-        def packed(forward: RolloutForward | None) -> RolloutForward | None:
-            return None if forward is None else forward.with_packed_rows(rows)
-
-        return dataclasses.replace(
-            self,
-            reference=packed(self.reference),
-            policy=packed(self.policy),
-            value=packed(self.value),
-        )
-
-    def __call__(
-        self,
-        policy_params: Any,
-        ref_params: Any,
-        value_params: Any,
-        rows: RolloutRows,
-        scores: jax.Array,
-        kl_coef: jax.Array,
-        packed_rows: int | None = None,
-    ) -> Scored:
-        """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` [];
-        sequence-packed forwards pack into ``packed_rows`` rows per shard (static)."""
-        out = self.forwards(policy_params, ref_params, value_params, rows, packed_rows)
-        return self.advantages(out, rows.response_mask, scores, kl_coef)
-
-    def advantages(
-        self,
-        out: Scored,
-        response_mask: jax.Array,
-        scores: jax.Array,
-        kl_coef: jax.Array,
-    ) -> Scored:
-        """The forwards' ``out`` of the whole rollout completed with the advantages (and
-        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []."""
-        algo, resp = self.algo, response_mask
-        ref, old = out.ref_logprobs, out.old_logprobs
-        if self.has_critic and out.old_values is None:  # the critic's update runs GAE
-            rewards, m = rl_steps.ppo_token_rewards(
-                scores, old, ref, resp, kl_coef, loss_cfg=algo.loss
-            )
-            return out.replace(token_rewards=rewards, metrics=m)
-        if self.has_critic:
-            adv, ret, m = rl_steps.ppo_advantages(
-                scores,
-                old,
-                ref,
-                out.old_values,
-                resp,
-                kl_coef,
-                loss_cfg=algo.loss,
-                gamma=algo.gamma,
-                lam=algo.lam,
-                whiten=algo.whiten_advantages,
-            )
-            m.update(rl_steps.value_metrics(adv, ret, out.old_values, resp))
-            return out.replace(returns=ret, advantages=adv, metrics=m)
-        adv, m = rl_steps.grpo_advantages(
-            scores,
-            old,
-            ref,
-            resp,
-            kl_coef,
-            loss_cfg=algo.loss,
-            advantage=algo.advantage,
-            group_size=algo.rollout.num_samples,
-        )
-        m["advantages/abs_mean"] = losses.masked_mean(jnp.abs(adv), resp)
-        return out.replace(advantages=adv, metrics=m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,11 +100,21 @@ class RLPrograms:
         of ``score`` once the whole rollout's forwards are in.
       reward: ``(rm_params, tokens, mask, packing, packed_rows) -> [N] scores`` of the
         reward model, or None.
-      update: ``(states, LearnerBatch, key, packed_rows) -> (states, UpdateOutput)``; the
-        states tuple is ``(policy,)`` or ``(policy, value)`` and is donated.
+      update: ``(states, LearnerBatch, key, frozen, packed_rows) -> (states,
+        UpdateOutput)``; the states tuple is ``(policy,)`` or ``(policy, value)`` and is
+        donated; ``frozen`` holds each learner's frozen part (LoRA base, Hydra trunk) or
+        None, in the same order.
       planner: the host plans of the sequence-packed programs; a program that does not
         pack takes ``packing`` (in the rows) and ``packed_rows`` None.
-      engine: the rollout engine (``rollout.engine: continuous``), or None.
+      policy_lora, value_lora: the LoRA learners' frozen/trainable layouts (``lora:``), else
+        None. A LoRA learner's TrainState holds its trainable part; the score program takes
+        its params as ``models.lora.LoraParams``.
+      sync: how a LoRA or Hydra policy reaches the sampler (``weight_sync.AdapterSync``,
+        ``hydra_setup.HydraSync``), else None (the policy's params are resharded).
+      hydra: the Hydra model's parts (``ppo.value.branch_layer``), else None; both learners'
+        frozen part is then its trunk.
+      reference_abstract: the reference's abstract params.
+      engine: the rollout engine (``rollout.engine: continuous``), else None.
     """
 
     algo: PPOConfig | GRPOConfig
@@ -241,6 +135,11 @@ class RLPrograms:
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
     planner: PackingPlanner
+    policy_lora: LoraLayout | None = None
+    value_lora: LoraLayout | None = None
+    sync: AdapterSync | HydraSync | None = None
+    hydra: HydraLayout | None = None
+    reference_abstract: Any = None
     engine: Engine | None = None
 
     def rows(self, ndim: int) -> NamedSharding:
@@ -265,88 +164,14 @@ class RLPrograms:
         )
 
 
-def _forward(module: Any, max_new_tokens: int, group: int, packed: int, shards: int):
-    """A phase's RolloutForward: packing prompt groups of ``group`` rows, and, where the
-    phase may pack sequences (``packed`` rows per shard), their largest packed shape (each
-    call picks its size, or none)."""
-    shape = PackedShape(shards, packed) if packed else None
-    return RolloutForward(module, max_new_tokens, group, shape)
-
-
-def _learner(
-    model: ModelConfig,
-    mesh: Mesh,
-    role: str,
-    head: str,
-    optimizer_cfg: Any,
-    updates: int,
-    objective: steps.Objective,
-    max_new_tokens: int,
-    layout: RunLayout,
-) -> tuple[steps.Learner, TrainState]:
-    """The learner of ``role`` (train rules): its model applied through a RolloutForward that
-    packs the update's sequences, or else the objective's ``row_group``."""
-    rules = rules_for(role, "train")
-    param_sh = param_shardings(model, mesh, rules, head)
-    optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
-    shardings = state_shardings(model_lib.abstract_params(model, head), param_sh, optimizer, mesh)
-    forward = _forward(
-        build_sharded(model, mesh, rules, head),
-        max_new_tokens,
-        objective.row_group,
-        layout.rl.packing.update,
-        layout.data_shards,
-    )
-    learner = steps.Learner(objective, forward, optimizer, lr_fn, rules, param_sh)
-    return learner, shardings
-
-
-def _learners(
-    cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh
-) -> tuple[steps.Learner, TrainState, steps.Learner | None, TrainState | None]:
-    """``(policy, its state shardings, critic or None, its shardings or None)``."""
-    algo, rl = rl_section(cfg), layout.rl
-    r, group = algo.rollout.max_new_tokens, rl.groups.update
-    policy, policy_sh = _learner(
-        model,
-        mesh,
-        "policy",
-        "lm",
-        cfg.optimizer,
-        rl.updates,
-        rl_steps.policy_objective(algo.loss, group),
-        r,
-        layout,
-    )
-    if not isinstance(algo, PPOConfig):
-        return policy, policy_sh, None, None
-    critic_opt = cfg.optimizer
-    if algo.critic_lr is not None:
-        critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
-    gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
-    value, value_sh = _learner(
-        model,
-        mesh,
-        "value",
-        "scalar",
-        critic_opt,
-        rl.updates,
-        rl_steps.value_objective(algo.value_clip, algo.loss.aggregation, group, gae),
-        r,
-        layout,
-    )
-    return policy, policy_sh, value, value_sh
-
-
 def _reward_program(
     reward_model: ModelConfig, layout: RunLayout, r: int, mesh: Mesh
 ) -> tuple[Callable[..., jax.Array], Any]:
     """The jitted reward-model scoring and the reward model's parameter shardings."""
     rm_rules, score_rules = rules_for("reward", "score"), rules_for("policy", "score")
     rl = layout.rl
-    forward = _forward(
-        build_sharded(reward_model, mesh, rm_rules, "scalar"),
-        r,
+    forward = phase_forward(
+        RolloutForward(build_sharded(reward_model, mesh, rm_rules, "scalar"), r),
         rl.groups.score,
         rl.packing.score,
         layout.data_shards,
@@ -370,53 +195,57 @@ def _reward_program(
     return program, params_sh
 
 
-def _score_program(
-    scoring: Scoring,
-    cfg: RunConfig,
+def _reference(
     model: ModelConfig,
-    shardings: tuple[Any, Any, Any],
-) -> Callable[..., Scored]:
-    """``scoring`` jitted with its shardings: the three models' parameters as given, rollout
-    rows over the data shards, the scalars replicated; the outputs' per-token arrays like
-    the rows, the metrics replicated."""
-    mesh, rules = scoring.mesh, scoring.rules
-    rows2, rows1 = steps.batch_sharding(mesh, rules, 2), steps.batch_sharding(mesh, rules, 1)
-    replicated = NamedSharding(mesh, P())
-    r = scoring.algo.rollout
-    packing = scoring.reference.packing
-    length = cfg.data.max_prompt_length + r.max_new_tokens
-    rows = abstract_rows(r.rows, length, packed=packing is not None)
-    lm, critic = model_lib.abstract_params(model), model_lib.abstract_params(model, "scalar")
-    abstract = jax.eval_shape(
-        functools.partial(scoring, packed_rows=None if packing is None else packing.rows),
-        lm,
-        lm,
-        critic if scoring.has_critic else None,
-        rows,
-        jax.ShapeDtypeStruct((r.rows,), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.float32),
-    )
-    out = jax.tree.map(lambda _: rows2, abstract.replace(metrics={}))
-    row_sh = RolloutRows(rows2, rows2, rows2, None)  # a plan (or None) comes placed
-    return jax.jit(
-        scoring,
-        in_shardings=(*shardings, row_sh, rows1, replicated),
-        out_shardings=out.replace(metrics=replicated),
-        static_argnums=6,  # packed_rows
-    )
+    mesh: Mesh,
+    policy: LearnerSetup,
+    hydra: HydraLayout | None,
+    r: int,
+) -> tuple[RolloutForward, Any, Any]:
+    """``(forward, shardings, abstract params)`` of the frozen reference: the plain model
+    (with LoRA: the policy's own base), or for a Hydra critic the trunk with a frozen copy of
+    the policy's initial branch."""
+    rules = rules_for("reference", "score")
+    if hydra is not None:
+        forward = hydra_forward(model, mesh, rules, hydra.branch_layer, ("lm",), r, 1)
+        shardings = combine(hydra.trunk_shardings, hydra.policy_shardings)
+        return forward, shardings, combine(hydra.trunk, hydra.policy)
+    forward = RolloutForward(build_sharded(model, mesh, rules, "lm"), r)
+    if policy.lora is not None:
+        return forward, policy.lora.frozen_shardings, policy.lora.frozen
+    return forward, param_shardings(model, mesh, rules), model_lib.abstract_params(model)
 
 
-def abstract_rows(rows: int, length: int, packed: bool) -> RolloutRows:
-    """``RolloutRows`` of ``rows x length`` as ShapeDtypeStructs, with a plan when the
-    scoring forwards pack sequences (``packed``)."""
-    plan = None
-    if packed:
-        plan = RowPacking(*(jax.ShapeDtypeStruct((rows,), jnp.int32) for _ in range(3)))
-    return RolloutRows(
-        tokens=jax.ShapeDtypeStruct((rows, length), jnp.int32),
-        mask=jax.ShapeDtypeStruct((rows, length), bool),
-        response_mask=jax.ShapeDtypeStruct((rows, length), bool),
-        packing=plan,
+def _scoring(
+    algo: PPOConfig | GRPOConfig,
+    rl: RLLayout,
+    reference: RolloutForward,
+    policy: steps.Learner,
+    value: steps.Learner | None,
+    joint: RolloutForward | None,
+    mesh: Mesh,
+    shards: int,
+) -> Scoring:
+    """The score program's function: every forward packs scoring's prompt groups, or its
+    sequences (``rl.packing.score`` rows per shard of ``shards``). Old log-probs and values
+    come from the learners' own (train-rule) modules, so the first minibatch's forward is
+    the scoring forward's computation (its ratio is 1)."""
+    group = rl.groups.score
+
+    def scoring(forward: RolloutForward | None) -> RolloutForward | None:
+        return None if forward is None else phase_forward(forward, group, rl.packing.score, shards)
+
+    return Scoring(
+        algo=algo,
+        reference=scoring(reference),
+        policy=None if rl.reuse_policy_forward else scoring(policy.module),
+        value=None if value is None or rl.reuse_value_forward else scoring(value.module),
+        has_critic=value is not None,
+        num_micro=rl.score_micro,
+        row_group=group,
+        mesh=mesh,
+        rules=rules_for("policy", "score"),
+        joint=scoring(joint),
     )
 
 
@@ -443,57 +272,55 @@ def build_rl_programs(
       matmul_block: the sampler's decode weight blocks (None: the platform's choice).
     """
     algo, rl = rl_section(cfg), layout.rl
-    r, groups = algo.rollout.max_new_tokens, rl.groups
-    policy, policy_sh, value, value_sh = _learners(cfg, layout, model, mesh)
+    r = algo.rollout.max_new_tokens
+    policy_setup, value_setup, hydra = learners(cfg, layout, model, mesh)
+    policy, policy_sh = policy_setup.learner, policy_setup.shardings
+    value = None if value_setup is None else value_setup.learner
+    value_sh = None if value_setup is None else value_setup.shardings
     score_rules = rules_for("policy", "score")
-
-    def scoring_forward(module: Any) -> RolloutForward:
-        return _forward(module, r, groups.score, rl.packing.score, layout.data_shards)
-
-    # Old log-probs and values come from the learners' own (train-rule) modules, so the first
-    # minibatch's forward is the scoring forward's computation (its ratio is 1).
-    scoring = Scoring(
-        algo=algo,
-        reference=scoring_forward(
-            build_sharded(model, mesh, rules_for("reference", "score"), "lm")
-        ),
-        policy=None if rl.reuse_policy_forward else scoring_forward(policy.module.module),
-        value=None
-        if value is None or rl.reuse_value_forward
-        else scoring_forward(value.module.module),
-        has_critic=value is not None,
-        num_micro=rl.score_micro,
-        row_group=groups.score,
-        mesh=mesh,
-        rules=score_rules,
-    )
+    reference, ref_sh, ref_abstract = _reference(model, mesh, policy_setup, hydra, r)
+    joint = None
+    if hydra is not None:
+        joint = hydra_forward(model, mesh, TRAIN, hydra.branch_layer, HYDRA_HEADS, r, 1)
+    scoring = _scoring(algo, rl, reference, policy, value, joint, mesh, layout.data_shards)
     replicated = NamedSharding(mesh, P())
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
-    learners = (policy,) + (() if value is None else (value,))
-    state_sh = (policy_sh,) + (() if value_sh is None else (value_sh,))
+    setups = (policy_setup,) + (() if value_setup is None else (value_setup,))
+    state_sh = tuple(s.shardings for s in setups)
+    frozen_sh = tuple(s.frozen_shardings for s in setups)
     update = jax.jit(
         functools.partial(
             rl_steps.rl_update,
-            learners=learners,
+            learners=tuple(s.learner for s in setups),
             epochs=algo.loss.epochs,
             num_minibatches=algo.loss.num_minibatches,
             num_micro=rl.num_micro,
             mesh=mesh,
         ),
-        in_shardings=(state_sh, None, replicated),
+        in_shardings=(state_sh, None, replicated, frozen_sh),
         out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
         donate_argnums=0,  # the old states' buffers are reused for the new ones
-        static_argnums=3,  # packed_rows
+        static_argnums=4,  # packed_rows
     )
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
-    params_sh = (
-        policy_sh.params,
-        param_shardings(model, mesh, rules_for("reference", "score")),
-        None if value_sh is None else value_sh.params,
+    model_sh = (
+        policy_setup.model_shardings,
+        ref_sh,
+        None if value_setup is None else value_setup.model_shardings,
+    )
+    abstract_models = (
+        policy_setup.abstract_model,
+        ref_abstract,
+        None if value_setup is None else value_setup.abstract_model,
     )
     sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
+    sync = None
+    if policy_setup.lora is not None:
+        sync = AdapterSync.build(policy_setup.lora, sampler, cfg.lora.sync)
+    elif hydra is not None:
+        sync = HydraSync.build(hydra, sampler)
     return RLPrograms(
         algo=algo,
         layout=layout,
@@ -505,12 +332,12 @@ def build_rl_programs(
         value=value,
         policy_shardings=policy_sh,
         value_shardings=value_sh,
-        reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
+        reference_shardings=ref_sh,
         reward_shardings=reward_sh,
-        score=_score_program(scoring, cfg, model, params_sh),
+        score=score_program(scoring, cfg, model_sh, abstract_models),
         score_forwards=jax.jit(
             scoring.forwards,
-            in_shardings=(*params_sh, RolloutRows(rows2, rows2, rows2, None)),
+            in_shardings=(*model_sh, RolloutRows(rows2, rows2, rows2, None)),
             out_shardings=rows2,
             static_argnums=4,  # packed_rows
         ),
@@ -518,6 +345,11 @@ def build_rl_programs(
         reward=reward,
         update=update,
         planner=PackingPlanner.of(algo, rl, layout.data_shards, cfg.data.max_prompt_length),
+        policy_lora=policy_setup.lora,
+        value_lora=None if value_setup is None else value_setup.lora,
+        sync=sync,
+        hydra=hydra,
+        reference_abstract=ref_abstract,
         engine=_engine(algo, sampler),
     )
 

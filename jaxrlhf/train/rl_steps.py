@@ -367,6 +367,7 @@ def rl_update(
     states: tuple[TrainState, ...],
     batch: LearnerBatch,
     key: jax.Array,
+    frozen: tuple[Any, ...] | None = None,
     packed_rows: int | None = None,
     *,
     learners: tuple[steps.Learner, ...],
@@ -381,7 +382,9 @@ def rl_update(
       states: one TrainState per learner (donate them).
       batch: the rollout's ``[N, ...]`` rows with their scores; with ``packing`` ([N, E]),
         epoch ``e``'s minibatches carry column ``e`` of it.
-      key: shuffling key.
+      key: shuffling key (and LoRA dropout's).
+      frozen: each learner's frozen base (LoRA; see ``steps.Learner.combine``) or None, in
+        the order of ``states``; None: no learner has one.
       packed_rows: with sequence packing (the learners' forwards pack, ``batch.packing``
         set), the packed rows per shard of every micro-batch (static: one compile per
         size); None otherwise.
@@ -413,6 +416,7 @@ def rl_update(
         raise ValueError(f"the learners pack prompt groups differently: {sorted(group_sizes)}")
     group_size = group_sizes.pop()
     rules = learners[0].rules
+    frozen = (None,) * len(learners) if frozen is None else frozen
     learners = tuple(
         dataclasses.replace(learner, module=learner.module.with_packed_rows(packed_rows))
         for learner in learners
@@ -426,7 +430,13 @@ def rl_update(
         for i in order:
             learner = learners[i]
             new_states[i], m, outputs = steps.train_step(
-                states[i], minibatch, key, learner=learner, num_micro=num_micro, mesh=mesh
+                states[i],
+                minibatch,
+                key,
+                learner=learner,
+                num_micro=num_micro,
+                mesh=mesh,
+                frozen=frozen[i],
             )
             if outputs is not None:
                 minibatch = outputs.fill(minibatch)

@@ -117,9 +117,9 @@ class StreamedScoring:
         )
         self.forwards.append(
             programs.score_forwards(
-                trainer.policy_state.params,
+                trainer.policy_params,
                 trainer.ref_params,
-                None if trainer.value_state is None else trainer.value_state.params,
+                trainer.value_params,
                 programs.put_rows(device_rows),
                 plan and plan.rows,
             )

@@ -39,9 +39,7 @@ from jaxrlhf.generation.environment import (
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.hf_checkpoint import load_params, save_hf
-from jaxrlhf.models.hf_config import checkpoint_head, load_hf_config
-from jaxrlhf.models.safetensors_io import CheckpointError
+from jaxrlhf.models.hf_checkpoint import save_hf
 from jaxrlhf.rewards import (
     RewardFn,
     call_reward_fn,
@@ -52,13 +50,21 @@ from jaxrlhf.rewards import (
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
 from jaxrlhf.train import rl_metrics, rl_packing
+from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
-from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
+from jaxrlhf.train.hydra_setup import plain_policy
+from jaxrlhf.train.model_setup import model_with_tokenizer_ids
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
+from jaxrlhf.train.rl_setup import (
+    initial_states,
+    kl_controller,
+    reward_model_config,
+    reward_model_params,
+)
 from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
-from jaxrlhf.train.state import TrainState, init_state
+from jaxrlhf.train.state import TrainState
 from jaxrlhf.train.trainable import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -78,6 +84,10 @@ class RLTrainer:
       policy_state, value_state: the learners' states (value None for GRPO).
       ref_params, rm_params: the frozen reference and reward model (rm None: a function).
       kl_state: the KL controller.
+      policy_frozen, value_frozen: the LoRA learners' frozen bases (``lora:``), else None;
+        the reference is then ``policy_frozen`` itself.
+      sampler_base: with ``lora.sync: adapters``, the policy's base in the sampler's layout,
+        resident for the whole run (``weight_sync.AdapterSync``); else None.
       key: the run's PRNG key (each iteration folds in ``steps_done``).
       steps_done: iterations done.
       last_scored: the last iteration's scored arrays, with what the update's forwards
@@ -97,6 +107,9 @@ class RLTrainer:
     rm_params: Any | None
     kl_state: losses.AdaptiveKLState | losses.FixedKL
     key: jax.Array
+    policy_frozen: Any = None
+    value_frozen: Any = None
+    sampler_base: Any = None
     steps_done: int = 0
     last_scored: Scored | None = None
     env_factory: EnvFactory | None = None
@@ -130,15 +143,44 @@ class RLTrainer:
     def dataset(self) -> TokenizedDataset:
         return self.prompts.dataset
 
+    @property
+    def policy_params(self) -> Any:
+        """The policy as its forwards apply it: the state's params, or combined with its
+        frozen part (LoRA: a ``LoraParams``; Hydra: the trunk and the policy branch)."""
+        return self.programs.policy.model_params(self.policy_state.params, self.policy_frozen)
+
+    @property
+    def value_params(self) -> Any:
+        """The critic as its forwards apply it (as :attr:`policy_params`), or None."""
+        if self.value_state is None:
+            return None
+        return self.programs.value.model_params(self.value_state.params, self.value_frozen)
+
     def describe(self) -> str:
         """One line for the log: parameters, meshes, rollout size."""
         sampler_mesh = self.sampler.mesh
         placed = "" if sampler_mesh is self.mesh else f" (sampler: {dict(sampler_mesh.shape)})"
+        trained = model_lib.param_count(self.policy_state.params)
+        size = f"{trained:,} policy parameters"
+        if self.programs.hydra is not None:
+            size += (
+                f" trained above a frozen trunk of {model_lib.param_count(self.policy_frozen):,}"
+            )
+        elif self.policy_frozen is not None:
+            total = trained + model_lib.param_count(self.policy_frozen)
+            size = f"{trained:,} trained (LoRA) of {total:,} policy parameters"
         return (
-            f"{self.cfg.algorithm}: {model_lib.param_count(self.policy_state.params):,} policy "
-            f"parameters, mesh {dict(self.mesh.shape)}{placed}, "
+            f"{self.cfg.algorithm}: {size}, mesh {dict(self.mesh.shape)}{placed}, "
             f"{self.algo.rollout.rows} rollout rows per iteration"
         )
+
+    def generate_params(self) -> tuple[Any, Any]:
+        """The policy in the sampler's layout and the reshard's stats: the whole policy
+        resharded, or with LoRA the merged adapters (``weight_sync``)."""
+        sync = self.programs.sync
+        if sync is None:
+            return self.sampler.to_generate_layout(self.policy_state.params)
+        return sync.generate_params(self.policy_frozen, self.sampler_base, self.policy_state.params)
 
     # ---- one iteration -----------------------------------------------------------------
 
@@ -153,7 +195,7 @@ class RLTrainer:
         timings: dict[str, float] = {}
         host_prompts = next(self.prompts)
         start = time.perf_counter()
-        gen_params, stats = self.sampler.to_generate_layout(self.policy_state.params)
+        gen_params, stats = self.generate_params()
         timings["time/reshard_s"] = time.perf_counter() - start
         timings["reshard/bytes_moved"] = float(stats.bytes_moved)
         if self.programs.engine is not None:
@@ -429,9 +471,9 @@ class RLTrainer:
         scores = put_global(shaped, programs.rows(1))
         if forwards is None:
             scored = programs.score(
-                self.policy_state.params,
+                self.policy_params,
                 self.ref_params,
-                None if self.value_state is None else self.value_state.params,
+                self.value_params,
                 rows,
                 scores,
                 kl_coef,
@@ -447,7 +489,10 @@ class RLTrainer:
         if update_plan is not None:
             batch = batch.replace(packing=programs.put_rows(update_plan.packing))
         states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
-        states, update = programs.update(states, batch, key, update_plan and update_plan.rows)
+        frozen = (self.policy_frozen,) + (() if self.value_state is None else (self.value_frozen,))
+        states, update = programs.update(
+            states, batch, key, frozen, update_plan and update_plan.rows
+        )
         self.policy_state = states[0]
         if self.value_state is not None:
             self.value_state = states[1]
@@ -519,10 +564,33 @@ class RLTrainer:
             )
 
     def export(self, hf_dir: str) -> None:
-        """The policy in Hugging Face format (``*ForCausalLM``) with the tokenizer."""
-        save_hf(
-            hf_dir, self.model_cfg, self.policy_state.params, dtype=self.cfg.checkpoint.export_dtype
-        )
+        """The policy in Hugging Face format (``*ForCausalLM``) with the tokenizer; with LoRA
+        the merged policy, and the adapters alone in PEFT's format beside it."""
+        lora = self.programs.policy_lora
+        if self.programs.hydra is not None:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                plain_policy(self.policy_frozen, self.policy_state.params),
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
+        elif lora is not None:
+            export_lora(
+                hf_dir,
+                self.cfg,
+                self.model_cfg,
+                lora.spec,
+                "lm",
+                self.policy_frozen,
+                self.policy_state.params,
+            )
+        else:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                self.policy_state.params,
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
         if jax.process_index() == 0:
             self.tokenizer.save_pretrained(hf_dir)
 
@@ -535,75 +603,6 @@ class RLTrainer:
 
 
 # ---- building ----------------------------------------------------------------------------
-
-
-def _value_params(cfg: RunConfig, programs: RLPrograms, policy_params: Any) -> Any:
-    """The critic's initial parameters: the policy's (or the reward model's) decoder with a
-    zero value head."""
-    algo, model = programs.algo, programs.model
-    value_sh = programs.value_shardings.params
-    if algo.critic_init == "reward_model":
-        params = load_params(algo.reward.model_dir, model, head="scalar", shardings=value_sh)
-        params["score"] = jnp.zeros_like(params["score"])
-        return params
-    params = {
-        "decoder": jax.tree.map(jnp.copy, policy_params["decoder"]),
-        "score": jnp.zeros((model.hidden_size, 1), model.weight_dtype),
-    }
-    return jax.device_put(params, value_sh)
-
-
-def _initial_states(
-    cfg: RunConfig, programs: RLPrograms, key: jax.Array
-) -> tuple[TrainState, TrainState | None, Any]:
-    """``(policy state, critic state or None, reference params)`` in the programs'
-    shardings; the reference is a frozen copy of the initial policy."""
-    policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
-    ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
-        jax.tree.map(jnp.copy, policy_params)
-    )
-    value_state = None
-    if programs.value is not None:
-        value_params = _value_params(cfg, programs, policy_params)
-        value_state = init_state(value_params, programs.value.optimizer, programs.value_shardings)
-    policy_state = init_state(policy_params, programs.policy.optimizer, programs.policy_shardings)
-    return policy_state, value_state, ref_params
-
-
-def _kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | losses.FixedKL:
-    loss = algo.loss
-    if loss.kl_target is not None:
-        return losses.AdaptiveKLState(loss.kl_coef, loss.kl_target, loss.kl_horizon)
-    return losses.FixedKL(loss.kl_coef)
-
-
-def _reward_model(cfg: RunConfig, source: str) -> ModelConfig:
-    """The reward model's config, checked to be a reward model (a scalar head).
-
-    Raises:
-      ConfigError: no readable config.json, or a causal LM given as the reward model.
-    """
-    field = f"{source}: {cfg.algorithm}.reward.model_dir"
-    path = rl_section(cfg).reward.model_dir
-    try:
-        model = load_hf_config(path)
-    except CheckpointError as e:
-        raise ConfigError(f"{field}: {e}") from None
-    if checkpoint_head(path) == "lm":
-        raise ConfigError(
-            f"{field}: {path} is a causal LM checkpoint, not a reward model (it has no score "
-            "head); train one with algorithm: reward_model (its hf/ export is a "
-            "*ForSequenceClassification), or score with reward.function instead"
-        )
-    return model
-
-
-def _reward_model_params(cfg: RunConfig, model: ModelConfig, shardings: Any, source: str) -> Any:
-    path = rl_section(cfg).reward.model_dir
-    try:
-        return load_params(path, model, head="scalar", shardings=shardings)
-    except CheckpointError as e:
-        raise ConfigError(f"{source}: {cfg.algorithm}.reward.model_dir: {e}") from None
 
 
 def build_rl_trainer(
@@ -648,7 +647,7 @@ def build_rl_trainer(
         except EnvError as e:
             raise ConfigError(f"{source}: {cfg.algorithm}.{e}") from None
     if algo.reward.model_dir is not None:
-        rm_cfg = _reward_model(cfg, source)
+        rm_cfg = reward_model_config(cfg, source)
     elif algo.reward.function != "environment":
         reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
     if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
@@ -664,10 +663,21 @@ def build_rl_trainer(
         reward_model=rm_cfg,
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
-    policy_state, value_state, ref_params = _initial_states(cfg, programs, init_key)
+    states = initial_states(cfg, programs, init_key)
+    sampler_base = None
+    if programs.sync is not None and programs.sync.mode == "adapters":
+        sampler_base, stats = programs.sync.resident_base(states.policy_frozen)
+        adapters, full = programs.sync.bytes_per_iteration()
+        logger.info(
+            "LoRA weight sync: the sampler keeps the base (%.1f MiB moved once) and receives "
+            "the adapters each iteration: %.2f MiB moved, vs %.1f MiB for a full sync",
+            stats.bytes_moved / 2**20,
+            adapters / 2**20,
+            full / 2**20,
+        )
     rm_params = None
     if rm_cfg is not None:
-        rm_params = _reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
+        rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
     return RLTrainer(
         cfg=cfg,
         programs=programs,
@@ -681,11 +691,14 @@ def build_rl_trainer(
         ),
         reward_fn=reward_fn,
         task_fn=task_fn,
-        policy_state=policy_state,
-        value_state=value_state,
-        ref_params=ref_params,
+        policy_state=states.policy,
+        value_state=states.value,
+        ref_params=states.reference,
         rm_params=rm_params,
-        kl_state=_kl_controller(algo),
+        kl_state=kl_controller(algo),
         key=run_key,
+        policy_frozen=states.policy_frozen,
+        value_frozen=states.value_frozen,
+        sampler_base=sampler_base,
         env_factory=env_factory,
     )

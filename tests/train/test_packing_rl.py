@@ -151,6 +151,32 @@ def test_packed_ppo_iteration_equals_unpacked(fast_compile, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "models", [("lora.rank=4",), ("ppo.value.branch_layer=1",)], ids=["lora", "hydra_critic"]
+)
+def test_packed_lora_and_hydra_ppo_iterations_equal_unpacked(fast_compile, tmp_path, models):
+    """The PPO iteration above with LoRA learners (adapters trained over a frozen base) or a
+    Hydra critic (both branches over a frozen trunk; one joint scoring forward): their
+    scoring and update forwards pack sequences as the plain models' do, to the same 1e-5."""
+    common = [
+        "ppo.loss.epochs=2",
+        "ppo.loss.num_minibatches=2",
+        "train.micro_batch_size=4",
+        *models,
+    ]
+    rollout, out = _learn_each(
+        tmp_path,
+        "ppo",
+        {p: (_mesh(), [*common, f"ppo.rollout.pack_sequences={p}"]) for p in (True, False)},
+    )
+    trainer, _, _, m = out[True]
+    assert (trainer.programs.policy_lora is None) != (trainer.programs.hydra is None)
+    assert m["packing/score_rows"] < 16 and m["packing/update_rows"] < 4  # fewer rows ran
+    assert "packing/score_rows" not in out[False][3]
+    _assert_same_iteration(out[True], out[False], rollout)
+
+
+@pytest.mark.slow
 def test_packed_grpo_iteration_equals_prompt_groups(fast_compile, tmp_path):
     """GRPO, 4 prompts x 4 samples, one update on one micro-batch (its forward gives the old
     log-probs): sequences packed, each group's prompt shared where its responses fit, vs

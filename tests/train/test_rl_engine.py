@@ -59,16 +59,23 @@ def test_engine_iteration_equals_the_static_one(tmp_path, stream):
         assert engine[1]["time/score_streamed_s"] > 0
 
 
-def test_streamed_ppo_scoring_equals_unstreamed(tmp_path):
+@pytest.mark.parametrize(
+    "models",
+    [(), ("ppo.value.branch_layer=1",), ("lora.rank=4",)],
+    ids=["separate_critic", "hydra_critic", "lora"],
+)
+def test_streamed_ppo_scoring_equals_unstreamed(tmp_path, models):
     """PPO with a critic and groups of 2 (packed), two update micro-batches so the critic's
     values and the old log-probs are scoring forwards: streamed (its batches packed by
-    real lengths) against after-the-fact."""
+    real lengths) against after-the-fact; the critic separate or a Hydra branch (one joint
+    forward), or both models LoRA."""
     common = (
         "ppo.rollout.engine=continuous",
         "ppo.rollout.slots=4",
         "ppo.rollout.chunk_tokens=2",
         "ppo.rollout.num_samples=2",
         "train.micro_batch_size=2",
+        *models,
     )
     streamed = _iteration(tmp_path, *common, algorithm="ppo")
     after = _iteration(tmp_path, *common, "ppo.rollout.stream_scoring=false", algorithm="ppo")
