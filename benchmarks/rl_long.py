@@ -35,6 +35,7 @@ from benchmarks.generate import cpu_model  # noqa: E402
 from benchmarks.generate_longtail import CAP, MEDIAN, SIGMA  # noqa: E402
 from jaxrlhf import platform as jaxrlhf_platform  # noqa: E402
 from jaxrlhf.config import load_config  # noqa: E402
+from jaxrlhf.train.rl_config import RolloutConfig  # noqa: E402
 from jaxrlhf.train.rl_trainer import build_rl_trainer  # noqa: E402
 
 ROWS = rl_step.PROMPTS * rl_step.SAMPLES
@@ -49,13 +50,14 @@ ENGINES = {
 }
 
 
-def _trainer(model: str, engine: str, placement: str, out: str):
+def _trainer(model: str, engine: str, placement: str, out: str, pack_buckets: int):
     rl_step._config("R1", rl_step.MODELS[model], None, out, placement)  # writes R1.yaml
     path = os.path.join(out, "R1.yaml")
     overrides = [
         f"grpo.rollout.max_new_tokens={CAP}",
         f"data.max_length={rl_step.PROMPT_LEN + CAP}",
         f"model.max_position_embeddings={rl_step.PROMPT_LEN + CAP}",
+        f"grpo.rollout.pack_buckets={pack_buckets}",
     ]
     overrides += [f"grpo.rollout.{k}={v}" for k, v in ENGINES[engine].items()]
     trainer = build_rl_trainer(load_config(path, overrides))
@@ -107,6 +109,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["bench-s"], choices=sorted(rl_step.MODELS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu-devices", type=int, default=1)
+    parser.add_argument(
+        "--pack-buckets",
+        type=int,
+        default=RolloutConfig.pack_buckets,
+        help="rollout.pack_buckets: packed sizes in steps of 1/this of the rows",
+    )
     args = parser.parse_args()
     if args.cpu_devices > 1 and jaxrlhf_platform.set_cpu_devices(args.cpu_devices) is not None:
         parser.error("--cpu-devices: JAX has already started")
@@ -116,7 +124,7 @@ def main() -> None:
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()}, jax {jax.__version__}, "
         f"{jax.device_count()} CPU device(s), placement {placement}, host memory reuse: "
-        f"{host or 'on'}"
+        f"{host or 'on'}, pack_buckets {args.pack_buckets}"
     )
     print(
         f"# R1-long lengths: median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, max "
@@ -129,7 +137,7 @@ def main() -> None:
             for name in ENGINES:
                 out = os.path.join(tmp, f"{model}-{name}")
                 os.makedirs(out)
-                trainers[name] = _trainer(model, name, placement, out)
+                trainers[name] = _trainer(model, name, placement, out, args.pack_buckets)
                 force_lengths(trainers[name], lengths)
                 trainers[name].step()  # warm-up: compiles
             rows: dict[str, list[dict]] = {k: [] for k in trainers}
@@ -147,6 +155,9 @@ def main() -> None:
                     for p in phases
                 )
                 print(f"  {name:14s} {median[name]:7.2f} s  ({split})")
+                packing = {k: v for k, v in rs[-1].items() if k.startswith("packing/")}
+                if packing:
+                    print("    " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(packing.items())))
             print(f"  engine+stream is {median['static'] / median['engine+stream']:.2f}x faster")
 
 
