@@ -168,3 +168,63 @@ def test_hanging_step_times_out():
     done = call_in_thread(lambda: Step(reward=2.0))
     done.result(timeout=5)
     assert wait_for(done, 0).reward == 2.0
+
+
+# A Qwen2.5-like template: a default system prompt when the conversation has none, tool
+# results as a user turn wrapped in <tool_response>, the assistant's generation prompt.
+QWEN_LIKE_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|system|>You are helpful.<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|user|><tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|end|>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Renders the last message differently, so a longer conversation does not extend a shorter one.
+NOT_EXTENDING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if loop.last %}<|end|>{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, want",
+    [
+        (None, "<|tool|>42<|end|><|assistant|>"),  # the fixture's plain role markers
+        (QWEN_LIKE_TEMPLATE, "<|user|><tool_response>\n42\n</tool_response><|end|><|assistant|>"),
+    ],
+    ids=["role_markers", "qwen_like_with_system_prompt"],
+)
+def test_observations_through_a_hugging_face_chat_template(tmp_path, template, want):
+    """With a chat template, an observation is the template's tool message and the
+    assistant's generation prompt, exactly, and nothing of the conversation before it (no
+    default system prompt, no BOS); an episode appends those ids."""
+    from jaxrlhf.config import TokenizerConfig
+    from jaxrlhf.data.tokenizer import load_tokenizer
+    from tests.data.fixtures import CHAT_TEMPLATE, make_chat_tokenizer
+
+    path = make_chat_tokenizer(str(tmp_path), template or CHAT_TEMPLATE)
+    tok = load_tokenizer(TokenizerConfig(path=path))
+    assert tok.has_chat_template
+    ids = observation_ids(tok, "42")
+    assert ids == tok.encode(want)
+    assert tok.decode(ids, skip_special_tokens=False) == want
+
+    episode = Episode(
+        Scripted({}), 64, EpisodeConfig(), lambda t: observation_ids(tok, t), tok.decode
+    )
+    turn = episode.end_turn(tok.encode("call"), 4, stopped=True)
+    assert episode.apply(episode.step(turn)) == observation_ids(tok, "7")
+    assert episode.observations == [(4, 4 + len(observation_ids(tok, "7")))]
+
+
+def test_a_chat_template_that_does_not_extend_a_conversation_is_refused(tmp_path):
+    from jaxrlhf.config import TokenizerConfig
+    from jaxrlhf.data.tokenizer import load_tokenizer
+    from tests.data.fixtures import make_chat_tokenizer
+
+    tok = load_tokenizer(
+        TokenizerConfig(path=make_chat_tokenizer(str(tmp_path), NOT_EXTENDING_TEMPLATE))
+    )
+    with pytest.raises(ValueError, match="does not extend a conversation"):
+        observation_ids(tok, "42")
