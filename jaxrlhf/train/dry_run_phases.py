@@ -448,7 +448,10 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
     )
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
     kl_coef = _sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
-    learner_batch = LearnerBatch.of(batch, scored, kl_coef)
+    behaviour = None
+    if algo.loss.rollout_correction.uses_behaviour:  # the sampler's log-probs, like the tokens
+        behaviour = _sds(batch.tokens.shape, jnp.float32, batch.tokens.sharding)
+    learner_batch = LearnerBatch.of(batch, scored, kl_coef, behaviour)
     states = (policy_state,) + (() if value_state is None else (value_state,))
     learners = [n for n in held if n.startswith(("policy.", "value."))]
     pl.compile(

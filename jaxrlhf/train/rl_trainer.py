@@ -351,7 +351,10 @@ class RLTrainer:
         timings["time/score_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef))
+        behaviour = None
+        if self.algo.loss.rollout_correction.uses_behaviour:
+            behaviour = put_global(np.asarray(rollout.sampler_logprobs), programs.rows(2))
+        batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef), behaviour)
         states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
         states, update = programs.update(states, batch, key)
         self.policy_state = states[0]

@@ -120,6 +120,9 @@ class LearnerBatch:
         micro-batches).
       ref_logprobs, old_logprobs, old_values, returns, advantages, token_rewards: as in
         :class:`Scored`; None where the update computes them itself.
+      behaviour_logprobs: [N, T] the sampler's per-token log-probs (``Rollout``'s
+        ``sampler_logprobs``) when the loss corrects with them
+        (``loss.rollout_correction``), else None.
     """
 
     tokens: Int[Array, "N T"]
@@ -132,10 +135,18 @@ class LearnerBatch:
     returns: Float[Array, "N T"] | None = None
     advantages: Float[Array, "N T"] | None = None
     token_rewards: Float[Array, "N T"] | None = None
+    behaviour_logprobs: Float[Array, "N T"] | None = None
 
     @classmethod
-    def of(cls, rows: RolloutRows, scored: Scored, kl_coef: Float[Array, " N"]) -> LearnerBatch:
-        """The update's input for ``rows`` as ``scored``, with ``kl_coef`` per row."""
+    def of(
+        cls,
+        rows: RolloutRows,
+        scored: Scored,
+        kl_coef: Float[Array, " N"],
+        behaviour_logprobs: Float[Array, "N T"] | None = None,
+    ) -> LearnerBatch:
+        """The update's input for ``rows`` as ``scored``, with ``kl_coef`` per row (and the
+        sampler's log-probs when the loss corrects with them)."""
         return cls(
             tokens=rows.tokens,
             mask=rows.mask,
@@ -147,6 +158,7 @@ class LearnerBatch:
             returns=scored.returns,
             advantages=scored.advantages,
             token_rewards=scored.token_rewards,
+            behaviour_logprobs=behaviour_logprobs,
         )
 
 
