@@ -39,42 +39,42 @@ def ppo_policy_loss(
 ) -> tuple[Scalar, Metrics]:
     """Clipped-surrogate PPO loss with clip-higher, dual-clip and truncated importance weights.
 
-        Per token, with ``r = exp(logp - logp_old)`` and advantage ``A``::
+    Per token, with ``r = exp(logp - logp_old)`` and advantage ``A``::
 
-            l   = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))      # clip-higher (DAPO)
-            l   = min(l, -A c)           if A < 0 and dual_clip = c > 1      # dual-clip (Ye et al.)
-            l  *= min(exp(logp_old - logp_behaviour), tis_cap)              # TIS, if behaviour given
-            l  *= w                                                         # token_weights, if given
+        l   = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))      # clip-higher (DAPO)
+        l   = min(l, -A c)           if A < 0 and dual_clip = c > 1      # dual-clip (Ye et al.)
+        l  *= min(exp(logp_old - logp_behaviour), tis_cap)              # TIS, if behaviour given
+        l  *= w                                                         # token_weights, if given
 
-        The truncated importance weight (TIS; Yao et al. 2025, verl ``tis_imp_ratio_cap``) corrects
-        for rollouts sampled by an engine whose log-probs ``logp_behaviour`` differ from the
-        trainer's recomputed ``logp_old``; it is a constant. ``tis_cap=None`` leaves the weight
-        untruncated. ``token_weights`` multiplies each token's loss by a given constant weight (the
+    The truncated importance weight (TIS; Yao et al. 2025, verl ``tis_imp_ratio_cap``) corrects
+    for rollouts sampled by an engine whose log-probs ``logp_behaviour`` differ from the
+    trainer's recomputed ``logp_old``; it is a constant. ``tis_cap=None`` leaves the weight
+    untruncated. ``token_weights`` multiplies each token's loss by a given constant weight (the
     bounded importance weights of ``jaxrlhf.losses.correction``). Log-ratios are clamped to
     [-20, 20] before ``exp``.
 
-        Args:
-            logprobs: current policy log-probs of the sampled tokens (receives gradients).
-            old_logprobs: log-probs of the policy that produced the advantages (trainer-side).
-            advantages: per-token advantages (use ``broadcast_sequence_advantages`` for [B] ones).
-            mask: True on tokens that count (response tokens).
-            clip_low: ratio lower bound is ``1 - clip_low``.
-            clip_high: ratio upper bound is ``1 + clip_high``.
-            dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-A c``.
-            behaviour_logprobs: log-probs from the sampling engine; enables the TIS weight.
-            tis_cap: truncation of the TIS weight.
-            token_weights: per-token constant weights (e.g. ``importance_weights``), or None.
-            aggregation: see ``aggregate_loss``.
-            norm_constant: denominator for ``aggregation="token_sum_norm"``.
+    Args:
+        logprobs: current policy log-probs of the sampled tokens (receives gradients).
+        old_logprobs: log-probs of the policy that produced the advantages (trainer-side).
+        advantages: per-token advantages (use ``broadcast_sequence_advantages`` for [B] ones).
+        mask: True on tokens that count (response tokens).
+        clip_low: ratio lower bound is ``1 - clip_low``.
+        clip_high: ratio upper bound is ``1 + clip_high``.
+        dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-A c``.
+        behaviour_logprobs: log-probs from the sampling engine; enables the TIS weight.
+        tis_cap: truncation of the TIS weight.
+        token_weights: per-token constant weights (e.g. ``importance_weights``), or None.
+        aggregation: see ``aggregate_loss``.
+        norm_constant: denominator for ``aggregation="token_sum_norm"``.
 
-        Returns:
-            ``(loss, metrics)``; metrics (token means over the mask): ``clip_frac`` (surrogate
-            clipped), ``approx_kl`` (k3 estimate of KL(old || new), ``(r - 1) - log r``),
-            ``ratio_mean``, ``ratio_max``; with dual-clip ``clip_frac_lower``; with TIS
-            ``tis/weight_mean`` and ``tis/clip_frac``.
+    Returns:
+        ``(loss, metrics)``; metrics (token means over the mask): ``clip_frac`` (surrogate
+        clipped), ``approx_kl`` (k3 estimate of KL(old || new), ``(r - 1) - log r``),
+        ``ratio_mean``, ``ratio_max``; with dual-clip ``clip_frac_lower``; with TIS
+        ``tis/weight_mean`` and ``tis/clip_frac``.
 
-        Raises:
-            ValueError: ``dual_clip`` not greater than 1, or ``advantages`` not per-token.
+    Raises:
+        ValueError: ``dual_clip`` not greater than 1, or ``advantages`` not per-token.
     """
     if jnp.ndim(advantages) != jnp.ndim(logprobs):
         # A [B] advantage would silently broadcast against the T axis of [B, T].

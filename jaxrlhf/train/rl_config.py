@@ -60,6 +60,13 @@ class RolloutConfig:
       stop_strings: end a response once its decoded text contains one (engine only).
       stream_scoring: with the engine, score finished groups (reference, old policy, critic)
         between decode chunks instead of after the last one: the same arrays, earlier.
+      max_staleness: asynchronous RL: the sampler produces the next batches with weights up
+        to this many policy versions old while the learner trains (0: synchronous, each batch
+        sampled by the policy it updates). Each sample's policy version is logged
+        (``rollout/policy_version``, ``rollout/staleness``); ``loss.rollout_correction``
+        corrects for the difference. Checkpoints drain: the sampler takes no weights older
+        than the last ``checkpoint.every`` boundary, so nothing is in flight when one is
+        saved and a resumed run repeats the uninterrupted one (docs/sharding.md).
     """
 
     prompts_per_step: int = 16
@@ -78,8 +85,16 @@ class RolloutConfig:
     token_budget: int | None = None
     stop_strings: tuple[str, ...] = ()
     stream_scoring: bool = True
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_staleness and self.engine == "continuous" and self.stream_scoring:
+            raise ValueError(
+                "max_staleness: streamed scoring runs the learner's forwards while the engine "
+                "decodes; set stream_scoring: false for asynchronous RL"
+            )
         _positive(self, "prompts_per_step", "num_samples", "max_new_tokens", "chunk_tokens")
         for name in ("score_micro_batch_size", "slots", "token_budget"):
             if getattr(self, name) is not None:
@@ -363,6 +378,10 @@ class GRPOConfig:
             )
         if self.max_refills < 0:
             raise ValueError(f"max_refills: must be >= 0, got {self.max_refills}")
+        if self.dynamic_sampling and self.rollout.max_staleness:
+            raise ValueError(
+                "dynamic_sampling: refills sample on demand; it needs rollout.max_staleness: 0"
+            )
 
 
 # ---- sizes an RL run derives from its config and mesh (pure Python; see config.validate) ---

@@ -45,11 +45,13 @@ from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
 from jaxrlhf.train import rl_metrics
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
+from jaxrlhf.train.rl_async import RolloutProducer
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
 from jaxrlhf.train.state import TrainState, init_state
+from jaxrlhf.train.timeline import Timeline
 from jaxrlhf.train.trainable import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class RLTrainer:
       steps_done: iterations done.
       last_scored: the last iteration's scored arrays, with what the update's forwards
         computed in place of scoring filled in (for inspection: tests, notebooks).
+      timeline: when each phase ran on which devices (``jaxrlhf.train.timeline``).
+      producer: launches the rollouts, ahead of the learner with ``rollout.max_staleness``
+        (``jaxrlhf.train.rl_async``).
     """
 
     cfg: RunConfig
@@ -89,6 +94,22 @@ class RLTrainer:
     key: jax.Array
     steps_done: int = 0
     last_scored: Scored | None = None
+    timeline: Timeline | None = None
+    producer: RolloutProducer | None = None
+
+    def __post_init__(self) -> None:
+        groups = {
+            "sampler": tuple(int(d.id) for d in self.sampler.mesh.devices.flat),
+            "learner": tuple(int(d.id) for d in self.mesh.devices.flat),
+        }
+        self.timeline = Timeline(groups)
+        self.producer = RolloutProducer(
+            self,
+            max_staleness=self.algo.rollout.max_staleness,
+            sync_every=self.cfg.placement.weight_sync_every,
+            drain_every=self.cfg.checkpoint.every,
+            timeline=self.timeline,
+        )
 
     log_window = 1  # every iteration is a row of metrics.jsonl
     summary_keys = rl_metrics.SUMMARY_KEYS
@@ -139,12 +160,23 @@ class RLTrainer:
 
     def _rollout(self, key: jax.Array) -> tuple[Rollout, dict[str, float], Scored | None]:
         """:meth:`rollout`, and the scoring forwards when the engine streamed them."""
-        timings: dict[str, float] = {}
         host_prompts = next(self.prompts)
         start = time.perf_counter()
         gen_params, stats = self.sampler.to_generate_layout(self.policy_state.params)
-        timings["time/reshard_s"] = time.perf_counter() - start
-        timings["reshard/bytes_moved"] = float(stats.bytes_moved)
+        timings = {
+            "time/reshard_s": time.perf_counter() - start,
+            "reshard/bytes_moved": float(stats.bytes_moved),
+        }
+        rollout, more, forwards = self.sample(key, host_prompts, gen_params)
+        return rollout, {**timings, **more}, forwards
+
+    def sample(
+        self, key: jax.Array, host_prompts: dict[str, np.ndarray], gen_params: Any
+    ) -> tuple[Rollout, dict[str, float], Scored | None]:
+        """Samples ``host_prompts`` with ``gen_params`` (the sampler's layout) and scores the
+        samples with the reward: a host Rollout, the phases' timings, and the scoring
+        forwards when the engine streamed them."""
+        timings: dict[str, float] = {}
         if self.programs.engine is not None:
             return self._engine_rollout(gen_params, host_prompts, key, timings)
         start = time.perf_counter()
@@ -294,11 +326,15 @@ class RLTrainer:
         key = jax.random.fold_in(self.key, self.steps_done)
         sample_key, update_key = jax.random.split(key)
         iter_start = time.perf_counter()
-        forwards = None
+        forwards, version = None, self.steps_done
         if isinstance(self.algo, GRPOConfig) and self.algo.dynamic_sampling:
             rollout, timings = self.dynamic_rollout(sample_key)
         else:
-            rollout, timings, forwards = self._rollout(sample_key)
+            (rollout, timings, forwards), version = self.producer.take(
+                self.steps_done, self.cfg.train.steps, self._sample_key
+            )
+        timings["rollout/policy_version"] = float(version)
+        timings["rollout/staleness"] = float(self.steps_done - version)
         metrics = self.learn(rollout, update_key, timings, forwards=forwards)
         metrics["time/iteration_s"] = time.perf_counter() - iter_start
         metrics.update(rl_metrics.rollout_metrics(rollout, metrics))
@@ -310,6 +346,10 @@ class RLTrainer:
         self.steps_done += 1
         skipped = metrics.get("skipped", 0.0) + metrics.get("value/skipped", 0.0)
         return StepOutput(metrics=metrics, skipped=skipped)
+
+    def _sample_key(self, step: int) -> jax.Array:
+        """Rollout ``step``'s sampling key (the same whenever it is launched)."""
+        return jax.random.split(jax.random.fold_in(self.key, step))[0]
 
     def learn(
         self,
@@ -327,7 +367,7 @@ class RLTrainer:
         timings = dict(timings or {})
         self._check_groups(rollout)
         programs = self.programs
-        start = time.perf_counter()
+        start, t_score = time.perf_counter(), self.timeline.now()
         rows = put_global(
             rollout.device_rows, jax.tree.map(lambda x: programs.rows(2), rollout.device_rows)
         )
@@ -349,6 +389,8 @@ class RLTrainer:
             scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
         jax.block_until_ready(scored)
         timings["time/score_s"] = time.perf_counter() - start
+        t_update = self.timeline.now()
+        self.timeline.record("score", "learner", self.steps_done, t_score, t_update)
 
         start = time.perf_counter()
         behaviour = None
@@ -362,6 +404,7 @@ class RLTrainer:
             self.value_state = states[1]
         update_metrics = to_host(update.metrics)
         timings["time/train_s"] = time.perf_counter() - start
+        self.timeline.record("update", "learner", self.steps_done, t_update, self.timeline.now())
         filled = update.outputs.fill(batch)
         self.last_scored = scored.replace(
             old_logprobs=filled.old_logprobs,
@@ -407,7 +450,7 @@ class RLTrainer:
             arrays["value"] = self.value_state
         meta = {
             "step": self.steps_done,
-            "prompts": self.prompts.state(),
+            "prompts": self.producer.prompts_state(),
             "kl_coef": float(self.kl_state.kl_coef),
         }
         return arrays, meta
@@ -419,6 +462,7 @@ class RLTrainer:
             self.value_state = arrays["value"]
         self.key = wrap_key(arrays["key"], self.key)
         self.steps_done = int(meta["step"])
+        self.producer.reset(self.steps_done)  # what was in flight is sampled again
         self.prompts.restore(meta["prompts"])
         if isinstance(self.kl_state, losses.AdaptiveKLState):  # a fixed one follows the config
             self.kl_state = self.kl_state._replace(
@@ -434,8 +478,14 @@ class RLTrainer:
             self.tokenizer.save_pretrained(hf_dir)
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, float]:
-        """End-of-run summary (:func:`rl_metrics.summarize`)."""
-        return rl_metrics.summarize(history)
+        """End-of-run summary (:func:`rl_metrics.summarize`), with the device groups' busy,
+        idle and overlap fractions of this process's timeline (``timeline/`` keys)."""
+        out = rl_metrics.summarize(history)
+        if not out:
+            return out
+        timeline = self.timeline.to_json()["summary"]
+        out.update({f"timeline/{k}": v for k, v in timeline.items() if "device" not in k})
+        return out
 
     def format_summary(self, summary: dict[str, float]) -> str:
         return rl_metrics.format_summary(summary)
