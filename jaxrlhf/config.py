@@ -551,6 +551,8 @@ def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
     split the prompts evenly. Like the ``ppo``/``grpo`` sections, it is unused by the other
     algorithms (so one override can serve every stage of a pipeline)."""
     separated = cfg.placement.strategy != "colocated"
+    if separated and cfg.placement.sampler is None:  # interleaved: samples on the learner's
+        return None
     if (cfg.placement.generate_mesh is None and not separated) or (
         cfg.algorithm not in RL_ALGORITHMS
     ):
@@ -574,6 +576,30 @@ def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
             f"{cfg.algorithm}.rollout.prompts_per_step = {prompts}",
         )
     return shards
+
+
+def _check_interleaved(cfg: RunConfig, devices: int, train: int, ctx: _Context) -> None:
+    """An interleaved placement has a critic (PPO) whose group's data shards equal the
+    learner's (the two updates split the rollout alike)."""
+    placement = cfg.placement
+    if placement.strategy != "interleaved":
+        return
+    if cfg.algorithm != "ppo":
+        ctx.fail("placement.strategy", "interleaved puts the critic on its own devices: ppo only")
+    from jaxrlhf.sharding.placement import role_devices, role_mesh_config
+
+    try:
+        size = len(role_devices(placement, devices)["critic"])
+        critic = resolve_mesh_shape(role_mesh_config(placement, "critic", cfg.mesh), size)
+        learner = resolve_mesh_shape(cfg.mesh, train)
+    except MeshError as e:
+        ctx.fail("placement.critic", str(e))
+    if critic[0] * critic[1] != learner[0] * learner[1]:
+        ctx.fail(
+            "placement.critic",
+            f"its {critic[0] * critic[1]} data shard(s) differ from the learner's "
+            f"{learner[0] * learner[1]}",
+        )
 
 
 def _check_staleness(cfg: RunConfig, ctx: _Context) -> None:
@@ -687,6 +713,7 @@ def validate(
     generate = _generate_shards(cfg, devices, ctx)
     rl = None
     if cfg.algorithm in RL_ALGORITHMS:
+        _check_interleaved(cfg, devices, train, ctx)
         # RL batches are rollouts: train.batch_size is unused.
         try:
             rl = rl_layout(
@@ -702,6 +729,8 @@ def validate(
             logger.warning("%s: %s", ctx.source_of(f"{cfg.algorithm}.rollout"), note)
         _check_engine(cfg, generate or shards, devices, ctx)
         _check_staleness(cfg, ctx)
+        if cfg.placement.strategy == "interleaved":  # the critic's values are scored apart
+            rl = dataclasses.replace(rl, reuse_value_forward=False)
         num_micro = rl.num_micro
     else:
         num_micro = _supervised_micro_batches(cfg, shards, ctx)

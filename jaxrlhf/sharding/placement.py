@@ -34,6 +34,11 @@ Strategies (``strategy``) put roles on device groups of their own:
   take), disjoint. The policy's weights go to the sampler with ``jax.device_put`` after each
   update, or every ``weight_sync_every`` updates; with ``rollout.max_staleness >= 1`` the
   sampler then generates the next batches while the learner trains.
+* ``interleaved`` (PPO): the critic on a ``critic`` group of its own, the policy and the
+  reference on the ``learner`` group (the sampler on its ``sampler`` group if one is given,
+  else on the learner's): the critic's value forward and update run while the policy's
+  scoring forwards and update run (a host thread dispatches the critic's update). The
+  groups' data shards (data x fsdp) must be equal, so both updates split the rollout alike.
 
 A group is ``{devices: [i, ...]}`` (indices into ``jax.devices()``) or ``{fraction: f}`` (the
 next ``round(f * n)`` devices not taken), with an optional ``mesh`` shape over it (default:
@@ -51,8 +56,8 @@ from jax.sharding import Mesh
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, make_mesh, resolve_mesh_shape
 
 _ALL = -1
-STRATEGIES = ("colocated", "separated")
-ROLE_GROUPS = ("sampler", "learner")
+STRATEGIES = ("colocated", "separated", "interleaved")
+ROLE_GROUPS = ("sampler", "learner", "critic")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,8 +101,9 @@ class PlacementConfig:
         the other algorithms (like the ``ppo``/``grpo`` sections).
       strategy: ``colocated`` (roles time-share the training mesh) or ``separated`` (the
         sampler on its own devices: module docstring).
-      sampler, learner: ``separated``: the device groups (:class:`DeviceGroup`); the learner
-        group defaults to every device the sampler's does not take.
+      sampler, learner, critic: the device groups (:class:`DeviceGroup`) of ``separated``
+        (sampler, learner) and ``interleaved`` (critic, learner, optionally sampler); the
+        learner group defaults to every device the others do not take.
       weight_sync_every: the sampler gets the policy's weights after every this many updates
         (1: each; more: the sampler samples with weights up to that many versions old, which
         ``loss.rollout_correction`` can correct).
@@ -109,6 +115,7 @@ class PlacementConfig:
     strategy: str = "colocated"
     sampler: DeviceGroup | None = None
     learner: DeviceGroup | None = None
+    critic: DeviceGroup | None = None
     weight_sync_every: int = 1
 
     def __post_init__(self) -> None:
@@ -119,10 +126,16 @@ class PlacementConfig:
         if self.strategy == "colocated":
             for role in ROLE_GROUPS:
                 if getattr(self, role) is not None:
-                    raise ValueError(f"{role}: device groups need strategy: separated")
+                    raise ValueError(
+                        f"{role}: device groups need strategy: separated or interleaved"
+                    )
         else:
-            if self.sampler is None:
-                raise ValueError(f"sampler: strategy {self.strategy} needs the sampler's group")
+            if self.strategy == "separated" and self.sampler is None:
+                raise ValueError("sampler: strategy separated needs the sampler's group")
+            if self.strategy == "separated" and self.critic is not None:
+                raise ValueError("critic: a critic group needs strategy: interleaved")
+            if self.strategy == "interleaved" and self.critic is None:
+                raise ValueError("critic: strategy interleaved needs the critic's group")
             if self.train_devices != _ALL or self.generate_mesh is not None:
                 raise ValueError(
                     f"strategy: {self.strategy} places roles with the sampler/learner groups, "
@@ -183,7 +196,7 @@ def role_devices(placement: PlacementConfig, device_count: int) -> dict[str, tup
     if "learner" not in groups:
         rest = tuple(i for i in range(device_count) if i not in taken)
         if not rest:
-            raise MeshError("placement.learner: the sampler's group leaves no device to learn on")
+            raise MeshError("placement.learner: the other groups leave no device to learn on")
         groups["learner"] = rest
     return groups
 
@@ -262,10 +275,18 @@ def given_mesh(placement: PlacementConfig, mesh: Mesh, source: str) -> None:
         )
 
 
+def critic_mesh(placement: PlacementConfig, train: MeshConfig) -> Mesh | None:
+    """The critic's own mesh (``interleaved``; its group's ``mesh``, else ``train``'s shape),
+    or None."""
+    if placement.strategy != "interleaved":
+        return None
+    return _group_mesh(placement, "critic", train)
+
+
 def generate_mesh(placement: PlacementConfig, train: Mesh) -> Mesh:
     """The sampler's mesh: its group's (``separated``), ``placement.generate_mesh`` over all
     devices, else ``train``."""
-    if placement.strategy != "colocated":
+    if placement.strategy != "colocated" and placement.sampler is not None:
         return _group_mesh(placement, "sampler", MeshConfig())
     if placement.generate_mesh is None:
         return train
@@ -279,6 +300,8 @@ def generate_shards(placement: PlacementConfig, device_count: int) -> int | None
       MeshError: ``generate_mesh`` does not fit ``device_count`` devices.
     """
     if placement.strategy != "colocated":
+        if placement.sampler is None:
+            return None
         size = len(role_devices(placement, device_count)["sampler"])
         data, fsdp, _ = resolve_mesh_shape(
             role_mesh_config(placement, "sampler", MeshConfig()), size

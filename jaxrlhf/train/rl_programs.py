@@ -181,6 +181,12 @@ class RLPrograms:
       reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
       update: ``(states, LearnerBatch, key) -> (states, UpdateOutput)``; the states tuple is
         ``(policy,)`` or ``(policy, value)`` and is donated.
+      critic_mesh: ``placement.strategy: interleaved``: the critic's own mesh (its learner,
+        value forward and update live there; ``update`` is then the policy's alone), else
+        None.
+      score_values: interleaved: ``(value_params, rows) -> [N, T]`` values on the critic mesh.
+      update_value: interleaved: the critic's ``update`` on its mesh (same shuffling key,
+        same minibatches: the joint update's math).
     """
 
     algo: PPOConfig | GRPOConfig
@@ -201,6 +207,13 @@ class RLPrograms:
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
     engine: Engine | None = None
+    critic_mesh: Mesh | None = None
+    score_values: Callable[..., jax.Array] | None = None
+    update_value: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]] | None = None
+
+    def critic_rows(self, ndim: int) -> NamedSharding:
+        """Rollout rows split over the critic mesh's data shards (``interleaved``)."""
+        return steps.batch_sharding(self.critic_mesh, rules_for("value", "score"), ndim)
 
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
@@ -238,9 +251,10 @@ def _learner(
 
 
 def _learners(
-    cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh
+    cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh, critic_mesh: Mesh
 ) -> tuple[steps.Learner, TrainState, steps.Learner | None, TrainState | None]:
-    """``(policy, its state shardings, critic or None, its shardings or None)``."""
+    """``(policy, its state shardings, critic or None, its shardings or None)``; the critic
+    on ``critic_mesh``."""
     algo, rl = rl_section(cfg), layout.rl
     r, group = algo.rollout.max_new_tokens, rl.groups.update
     policy, policy_sh = _learner(
@@ -261,7 +275,7 @@ def _learners(
     gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
     value, value_sh = _learner(
         model,
-        mesh,
+        critic_mesh,
         "value",
         "scalar",
         critic_opt,
@@ -343,6 +357,7 @@ def build_rl_programs(
     *,
     reward_model: ModelConfig | None = None,
     matmul_block: int | None = None,
+    critic_mesh: Mesh | None = None,
 ) -> RLPrograms:
     """Jits every program of an RL run.
 
@@ -354,10 +369,12 @@ def build_rl_programs(
       sampling: the sampling parameters the sampler's programs are compiled for.
       reward_model: the reward model's architecture when ``reward.model_dir`` is set.
       matmul_block: the sampler's decode weight blocks (None: the platform's choice).
+      critic_mesh: the critic's own mesh (``interleaved``); None: ``mesh``.
     """
     algo, rl = rl_section(cfg), layout.rl
     r, groups = algo.rollout.max_new_tokens, rl.groups
-    policy, policy_sh, value, value_sh = _learners(cfg, layout, model, mesh)
+    apart = critic_mesh is not None
+    policy, policy_sh, value, value_sh = _learners(cfg, layout, model, mesh, critic_mesh or mesh)
     score_rules = rules_for("policy", "score")
     # Old log-probs and values come from the learners' own (train-rule) modules, so the first
     # minibatch's forward is the scoring forward's computation (its ratio is 1).
@@ -370,37 +387,42 @@ def build_rl_programs(
         if rl.reuse_policy_forward
         else dataclasses.replace(policy.module, group_size=groups.score),
         value=None
-        if value is None or rl.reuse_value_forward
+        if value is None or rl.reuse_value_forward or apart
         else dataclasses.replace(value.module, group_size=groups.score),
         has_critic=value is not None,
         num_micro=rl.score_micro,
         mesh=mesh,
         rules=score_rules,
     )
-    replicated = NamedSharding(mesh, P())
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
-    learners = (policy,) + (() if value is None else (value,))
-    state_sh = (policy_sh,) + (() if value_sh is None else (value_sh,))
-    update = jax.jit(
-        functools.partial(
-            rl_steps.rl_update,
-            learners=learners,
-            epochs=algo.loss.epochs,
-            num_minibatches=algo.loss.num_minibatches,
-            num_micro=rl.num_micro,
-            mesh=mesh,
-        ),
-        in_shardings=(state_sh, None, replicated),
-        out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
-        donate_argnums=0,  # the old states' buffers are reused for the new ones
-    )
+    together = value is not None and not apart
+    learners = (policy,) + ((value,) if together else ())
+    state_sh = (policy_sh,) + ((value_sh,) if together else ())
+    update = _update_program(algo, rl, learners, state_sh, mesh)
+    score_values = update_value = None
+    if apart:
+        critic_rows2 = steps.batch_sharding(critic_mesh, rules_for("value", "score"), 2)
+        forward = dataclasses.replace(value.module, group_size=groups.score)
+        score_values = jax.jit(
+            lambda params, rows: map_micro(
+                lambda r: forward.values(params, r.tokens, r.mask),
+                rows,
+                rl.score_micro,
+                critic_mesh,
+                rules_for("value", "score"),
+                groups.score,
+            ),
+            in_shardings=(value_sh.params, RolloutRows(*(critic_rows2,) * 3)),
+            out_shardings=critic_rows2,
+        )
+        update_value = _update_program(algo, rl, (value,), (value_sh,), critic_mesh)
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
     params_sh = (
         policy_sh.params,
         param_shardings(model, mesh, rules_for("reference", "score")),
-        None if value_sh is None else value_sh.params,
+        None if value_sh is None or apart else value_sh.params,
     )
     sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
     return RLPrograms(
@@ -426,6 +448,34 @@ def build_rl_programs(
         reward=reward,
         update=update,
         engine=_engine(algo, sampler),
+        critic_mesh=critic_mesh,
+        score_values=score_values,
+        update_value=update_value,
+    )
+
+
+def _update_program(
+    algo: PPOConfig | GRPOConfig,
+    rl: Any,
+    learners: tuple[steps.Learner, ...],
+    state_sh: tuple[TrainState, ...],
+    mesh: Mesh,
+) -> Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]:
+    """The jitted ``rl_update`` of ``learners`` on ``mesh``, their states donated."""
+    replicated = NamedSharding(mesh, P())
+    rows2 = steps.batch_sharding(mesh, rules_for("policy", "score"), 2)
+    return jax.jit(
+        functools.partial(
+            rl_steps.rl_update,
+            learners=learners,
+            epochs=algo.loss.epochs,
+            num_minibatches=algo.loss.num_minibatches,
+            num_micro=rl.num_micro,
+            mesh=mesh,
+        ),
+        in_shardings=(state_sh, None, replicated),
+        out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
+        donate_argnums=0,  # the old states' buffers are reused for the new ones
     )
 
 

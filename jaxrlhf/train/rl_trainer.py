@@ -11,6 +11,7 @@ supervised trainers: ``step``, ``snapshot``, ``restore``, ``export``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -19,7 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import losses
 from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section, validate
@@ -41,7 +43,7 @@ from jaxrlhf.rewards import (
     shape_scores,
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
-from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
+from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
 from jaxrlhf.train import rl_metrics
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
@@ -102,6 +104,8 @@ class RLTrainer:
             "sampler": tuple(int(d.id) for d in self.sampler.mesh.devices.flat),
             "learner": tuple(int(d.id) for d in self.mesh.devices.flat),
         }
+        if self.programs.critic_mesh is not None:
+            groups["critic"] = tuple(int(d.id) for d in self.programs.critic_mesh.devices.flat)
         self.timeline = Timeline(groups)
         self.producer = RolloutProducer(
             self,
@@ -376,7 +380,9 @@ class RLTrainer:
         )
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
         scores = put_global(shaped, programs.rows(1))
-        if forwards is None:
+        if programs.critic_mesh is not None:
+            scored = self._score_interleaved(rows, rollout, scores, kl_coef)
+        elif forwards is None:
             scored = programs.score(
                 self.policy_state.params,
                 self.ref_params,
@@ -397,12 +403,17 @@ class RLTrainer:
         if self.algo.loss.rollout_correction.uses_behaviour:
             behaviour = put_global(np.asarray(rollout.sampler_logprobs), programs.rows(2))
         batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef), behaviour)
-        states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
-        states, update = programs.update(states, batch, key)
-        self.policy_state = states[0]
-        if self.value_state is not None:
-            self.value_state = states[1]
-        update_metrics = to_host(update.metrics)
+        if programs.critic_mesh is not None:
+            update, update_metrics = self._update_interleaved(batch, key)
+        else:
+            states = (self.policy_state,) + (
+                () if self.value_state is None else (self.value_state,)
+            )
+            states, update = programs.update(states, batch, key)
+            self.policy_state = states[0]
+            if self.value_state is not None:
+                self.value_state = states[1]
+            update_metrics = to_host(update.metrics)
         timings["time/train_s"] = time.perf_counter() - start
         self.timeline.record("update", "learner", self.steps_done, t_update, self.timeline.now())
         filled = update.outputs.fill(batch)
@@ -416,6 +427,52 @@ class RLTrainer:
         metrics.update({k: float(v) for k, v in to_host(scored.metrics).items()})
         metrics.update(timings)
         return metrics
+
+    def _score_interleaved(
+        self, rows: Any, rollout: Rollout, scores: jax.Array, kl_coef: jax.Array
+    ) -> Scored:
+        """``interleaved``: the reference and old-policy forwards on the learner's devices
+        while the critic's value forward runs on its own; the values then join the
+        advantages (GAE) on the learner's."""
+        programs = self.programs
+        forwards = programs.score_forwards(
+            self.policy_state.params, self.ref_params, None, rows
+        )  # dispatched; the critic's forward runs meanwhile
+        start = self.timeline.now()
+        critic_rows = put_global(
+            rollout.device_rows,
+            jax.tree.map(lambda _: programs.critic_rows(2), rollout.device_rows),
+        )
+        values = jax.block_until_ready(programs.score_values(self.value_state.params, critic_rows))
+        self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
+        values = jax.device_put(values, programs.rows(2))
+        return programs.score_advantages(
+            forwards.replace(old_values=values), rows.response_mask, scores, kl_coef
+        )
+
+    def _update_interleaved(self, batch: LearnerBatch, key: jax.Array) -> tuple[Any, dict]:
+        """``interleaved``: the critic's update on its devices (dispatched from a host thread)
+        while the policy's runs on the learner's; the same key, so the same minibatches as
+        the joint update. Returns the policy's UpdateOutput and both updates' metrics."""
+        programs = self.programs
+        critic_batch = jax.device_put(
+            batch, jax.tree.map(lambda x: programs.critic_rows(x.ndim), batch)
+        )
+        critic_key = jax.device_put(key, NamedSharding(programs.critic_mesh, P()))
+
+        def critic_update():
+            start = self.timeline.now()
+            (state,), out = programs.update_value((self.value_state,), critic_batch, critic_key)
+            metrics = to_host(out.metrics)
+            self.timeline.record("update", "critic", self.steps_done, start, self.timeline.now())
+            return state, metrics
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(critic_update)
+            (self.policy_state,), update = programs.update((self.policy_state,), batch, key)
+            metrics = to_host(update.metrics)
+            self.value_state, critic_metrics = future.result()
+        return update, {**critic_metrics, **metrics}
 
     def _check_groups(self, rollout: Rollout) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
@@ -614,6 +671,7 @@ def build_rl_trainer(
         generate_mesh(cfg.placement, mesh),
         sampling_params(algo, tokenizer.eos_id, tokenizer.pad_id),
         reward_model=rm_cfg,
+        critic_mesh=critic_mesh(cfg.placement, cfg.mesh),
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
     policy_state, value_state, ref_params = _initial_states(cfg, programs, init_key)

@@ -110,7 +110,8 @@ def summarize(phases: Sequence[Phase], groups: dict[str, tuple[int, ...]]) -> di
     The span runs from the first phase's start to the last phase's end. A device is busy
     while any phase that ran on it is; a group's busy fraction is its devices' mean.
     ``overlap_frac``: the fraction of the span in which a sampler phase and a learner phase
-    ran at once (0 when every phase waits for the last).
+    ran at once (0 when every phase waits for the last); ``critic_overlap_frac`` likewise for
+    the learner and the critic group of an interleaved placement.
     """
     if not phases:
         return {}
@@ -125,11 +126,12 @@ def summarize(phases: Sequence[Phase], groups: dict[str, tuple[int, ...]]) -> di
         busy = sum(busy_dev[d] for d in ids) / max(len(ids), 1)
         out[f"{name}/busy_frac"] = busy
         out[f"{name}/idle_frac"] = 1.0 - busy
-    by_group = {
-        g: [(p.start, p.end) for p in phases if p.group == g] for g in ("sampler", "learner")
-    }
+    by_group = {g: [(p.start, p.end) for p in phases if p.group == g] for g in groups}
     both = _intersection(by_group["sampler"], by_group["learner"])
     out["overlap_frac"] = _union_length(both) / span
+    if "critic" in groups:
+        both = _intersection(by_group["learner"], by_group["critic"])
+        out["critic_overlap_frac"] = _union_length(both) / span
     return out
 
 

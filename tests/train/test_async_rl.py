@@ -58,6 +58,39 @@ def test_separated_does_the_colocated_math(fast_compile, tmp_path):
         np.testing.assert_allclose(out["colocated"][1][key], out["separated"][1][key], atol=1e-5)
 
 
+def test_interleaved_does_the_colocated_math(fast_compile, tmp_path):
+    """PPO with the critic on device 1 (its value forward and update there, the update from a
+    host thread at the same time as the policy's on device 0) and the sampler on device 2:
+    the same rollout gives the same policy and critic as everything on device 0, to 1e-5."""
+    out, rollout = {}, None
+    interleaved = (
+        "placement.strategy=interleaved",
+        "placement.learner={devices: [0]}",
+        "placement.critic={devices: [1]}",
+        "placement.sampler={devices: [2]}",
+    )
+    for name, overrides in (("colocated", ("placement.train_devices=1",)), ("apart", interleaved)):
+        cfg, src = _config(_dir(tmp_path / name), "ppo", "ppo.loss.num_minibatches=2", *overrides)
+        trainer = build_rl_trainer(cfg, source=src)
+        if name == "apart":
+            assert [d.id for d in trainer.programs.critic_mesh.devices.flat] == [1]
+            assert trainer.value_state.params["score"].sharding.device_set == {jax.devices()[1]}
+        if rollout is None:
+            rollout, _ = trainer.rollout(jax.random.key(1))
+        metrics = trainer.learn(rollout, jax.random.key(2))
+        params = jax.device_get((trainer.policy_state.params, trainer.value_state.params))
+        out[name] = (params, metrics, trainer)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+        out["colocated"][0],
+        out["apart"][0],
+    )
+    for key in ("loss/policy", "loss/value", "value/explained_var", "kl/seq_mean"):
+        np.testing.assert_allclose(out["colocated"][1][key], out["apart"][1][key], atol=1e-5)
+    groups = {(p.name, p.group) for p in out["apart"][2].timeline.phases}
+    assert {("score", "critic"), ("update", "critic"), ("update", "learner")} <= groups
+
+
 def test_weights_reach_the_sampler_every_k_updates(fast_compile, tmp_path):
     """k = 2, weights synced every 2 updates: refreshed at versions 0, 2 and 4 only; rollouts
     0-2 use version 0, 3-4 version 2, 5 version 4 (each at most 2 versions old)."""
@@ -114,6 +147,10 @@ def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile
             "placement.sampler.fraction: must be in (0, 1)",
         ),
         (["placement.sampler={fraction: 0.5}"], "device groups need strategy: separated"),
+        (
+            ["placement.strategy=interleaved", "placement.critic={devices: [0]}"],
+            "placement.strategy: interleaved puts the critic on its own devices: ppo only",
+        ),
         (
             ["placement.weight_sync_every=3"],
             "placement.weight_sync_every: 3 lets the sampler's weights fall 2 version(s) behind",
