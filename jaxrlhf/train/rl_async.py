@@ -40,25 +40,22 @@ from jaxrlhf.sharding.mesh import MeshError
 from jaxrlhf.train.timeline import Timeline
 
 
-def _check_concurrency(trainer: Any) -> None:
-    """On CPU devices, refuses a placement whose sampling and learning programs would starve
-    the XLA:CPU client's thread pool (``jaxrlhf.platform``): concurrency is never switched
-    off quietly.
+def check_concurrency(a: Any, b: Any, what: str) -> None:
+    """On CPU devices, refuses two meshes whose programs, in flight at once, would starve the
+    XLA:CPU client's thread pool (``jaxrlhf.platform``): concurrency is never switched off
+    quietly.
 
     Raises:
       MeshError: both meshes span several CPU devices and the pool is too small.
     """
-    sampler, learner = trainer.sampler.mesh, trainer.mesh
-    if sampler.devices.flat[0].platform != "cpu":
+    if a.devices.flat[0].platform != "cpu" or platform.concurrent_programs_fit(a.size, b.size):
         return
-    if not platform.concurrent_programs_fit(sampler.size, learner.size):
-        need = 2 * (sampler.size + learner.size)
-        raise MeshError(
-            f"rollout.max_staleness: sampling on {sampler.size} and learning on "
-            f"{learner.size} CPU devices at once needs {need} XLA:CPU client threads, this "
-            f"process has {platform.cpu_client_threads()}; set {platform.CLIENT_THREADS_ENV}"
-            f"={need} before JAX starts, or give the sampler or the learner one device"
-        )
+    need = 2 * (a.size + b.size)
+    raise MeshError(
+        f"{what}: programs on {a.size} and {b.size} CPU devices at once need {need} XLA:CPU "
+        f"client threads, this process has {platform.cpu_client_threads()}; set "
+        f"{platform.CLIENT_THREADS_ENV}={need} before JAX starts, or give one side one device"
+    )
 
 
 @dataclasses.dataclass
@@ -101,7 +98,7 @@ class RolloutProducer:
         self.timeline = timeline
         self.executor = None
         if max_staleness > 0:
-            _check_concurrency(trainer)
+            check_concurrency(trainer.sampler.mesh, trainer.mesh, "rollout.max_staleness")
             self.executor = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="jaxrlhf-sampler"
             )

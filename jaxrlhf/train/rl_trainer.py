@@ -47,7 +47,7 @@ from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, t
 from jaxrlhf.train import rl_metrics
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
-from jaxrlhf.train.rl_async import RolloutProducer
+from jaxrlhf.train.rl_async import RolloutProducer, check_concurrency
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
@@ -106,6 +106,7 @@ class RLTrainer:
         }
         if self.programs.critic_mesh is not None:
             groups["critic"] = tuple(int(d.id) for d in self.programs.critic_mesh.devices.flat)
+            check_concurrency(self.mesh, self.programs.critic_mesh, "placement.critic")
         self.timeline = Timeline(groups)
         self.producer = RolloutProducer(
             self,

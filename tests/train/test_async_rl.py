@@ -115,7 +115,7 @@ def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile
     """Sampling on 4 CPU devices while learning on 4 others would starve XLA:CPU's client
     pool (8 threads here; jaxrlhf.platform): refused with the fix, not serialised quietly."""
     cfg, src = _config(tmp_path, "grpo", *SEPARATED, "grpo.rollout.max_staleness=1")
-    with pytest.raises(MeshError, match="needs 16 XLA:CPU client threads, this process has 8"):
+    with pytest.raises(MeshError, match="need 16 XLA:CPU client threads, this process has 8"):
         build_rl_trainer(cfg, source=src)
 
 
