@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import jax
 import numpy as np
@@ -257,4 +258,40 @@ def test_async_resume_repeats_the_uninterrupted_run(fast_compile, tmp_path):
         np.testing.assert_array_equal,
         jax.device_get(whole.trainer.policy_state.params),
         jax.device_get(resumed.trainer.policy_state.params),
+    )
+
+
+@pytest.mark.slow
+def test_async_run_killed_then_resumed_equals_uninterrupted(fast_compile, tmp_path):
+    """kill -9 of an asynchronous run (k = 1, checkpoints every 2 iterations), then a resume:
+    the logged rows (versions, importance weights, losses) and the final parameters equal
+    the uninterrupted run's, bit for bit."""
+    from tests.train.test_checkpointing import _cli, _committed_steps, _untimed, _wait_for
+
+    common = (
+        *ASYNC,
+        "grpo.rollout.max_staleness=1",
+        "grpo.loss.rollout_correction={weights: truncate, cap: 2.0}",
+        "checkpoint.every=2",
+        "train.steps=6",
+    )
+    cfg, src = _config(_dir(tmp_path / "ref"), "grpo", *common)
+    ref = loop.run(cfg, source=src)
+
+    cfg, src = _config(_dir(tmp_path / "killed"), "grpo", *common)
+    proc = _cli(src, *common)
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    _wait_for(lambda: _committed_steps(ckpt_dir), proc, "the first checkpoint")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = _committed_steps(ckpt_dir)[-1]
+    assert 0 < killed_at < 6, killed_at
+
+    resumed = loop.run(cfg, source=src)
+    assert _untimed(resumed.history) == _untimed(ref.history)
+    assert [r["rollout/policy_version"] for r in _history(resumed.run_dir)] == [0, 0, 2, 2, 4, 4]
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(resumed.trainer.policy_state.params),
+        jax.device_get(ref.trainer.policy_state.params),
     )
