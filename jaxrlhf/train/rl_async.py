@@ -104,6 +104,8 @@ class RolloutProducer:
             )
         # The sampler's copy is kept across updates when it may be reused.
         self.hold = max_staleness > 0 or sync_every > 1
+        sampler_devices = set(trainer.sampler.mesh.devices.flat)
+        self.shared_devices = bool(sampler_devices & set(trainer.mesh.devices.flat))
         self.reset(trainer.steps_done)
 
     def reset(self, step: int) -> None:
@@ -156,7 +158,9 @@ class RolloutProducer:
         trainer = self.trainer
         start = self.timeline.now()
         params, stats = trainer.sampler.to_generate_layout(trainer.policy_state.params)
-        if self.hold:  # an own copy: the update donates the training buffers it may share
+        if self.hold and self.shared_devices:
+            # An own copy: the update donates the training buffers this may share (on other
+            # devices, device_put has copied already).
             params = jax.tree.map(jnp.copy, params)
         jax.block_until_ready(params)
         end = self.timeline.now()

@@ -295,3 +295,20 @@ def test_async_run_killed_then_resumed_equals_uninterrupted(fast_compile, tmp_pa
         jax.device_get(resumed.trainer.policy_state.params),
         jax.device_get(ref.trainer.policy_state.params),
     )
+
+
+def test_colocated_async_keeps_its_own_copy_of_the_weights(fast_compile, tmp_path):
+    """k = 1 with the sampler on the training device: the sampler's weights are a copy, so
+    the update (which donates the training state) cannot delete them under the producer."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        "placement.train_devices=1",
+        "grpo.rollout.max_staleness=1",
+        "train.steps=3",
+    )
+    trainer = build_rl_trainer(cfg, source=src)
+    assert trainer.producer.shared_devices
+    rows = [trainer.step().metrics for _ in range(3)]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1]
+    assert all(np.isfinite(r["loss/policy"]) for r in rows)
