@@ -7,6 +7,12 @@ score it (:class:`~jaxrlhf.train.rl_types.Scored`), and update the policy (and c
 Every phase is timed (after ``block_until_ready``) and reshards report the bytes they move.
 The host loop (``jaxrlhf.train.loop``) drives it through the same small protocol as the
 supervised trainers: ``step``, ``snapshot``, ``restore``, ``export``.
+
+Rollouts come from a :class:`~jaxrlhf.train.rl_async.RolloutProducer`: inline before each
+update (``rollout.max_staleness: 0``), or ahead of the learner on a host thread with weights
+up to k versions old. With ``placement.strategy: interleaved`` the critic's value forward and
+update run on its own devices beside the policy's (``_score_interleaved``,
+``_update_interleaved``). Every phase is recorded on the ``timeline``.
 """
 
 from __future__ import annotations
