@@ -67,11 +67,13 @@ class Jaxrlhf:
         params = model_lib.init_params(cfg, jax.random.key(0))
         self.params = self.sampler.to_generate_layout(params)[0] if mesh is not None else params
         self.engine = Engine(self.sampler, slots=slots, chunk=chunk)
+        self.engine_full = Engine(self.sampler, slots=slots, chunk=chunk, views=False)
         self.tokens, self.mask = prompts(cfg.vocab_size)
 
-    def engine_call(self, lengths: np.ndarray) -> float:
+    def engine_call(self, lengths: np.ndarray, views: bool = True) -> float:
+        engine = self.engine if views else self.engine_full
         start = time.perf_counter()
-        out = self.engine.generate(
+        out = engine.generate(
             self.params,
             self.tokens,
             self.mask,
@@ -146,8 +148,16 @@ def main() -> None:
     parser.add_argument("--cpu-devices", type=int, default=1)
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument(
+        "--full-views",
+        action="store_true",
+        help="also time the engine decoding every slot over the whole cache (views=False)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument(
+        "--skip-while", action="store_true", help="leave out the static while-loop mode"
+    )
     args = parser.parse_args()
     if args.cpu_devices > 1 and jaxrlhf_platform.set_cpu_devices(args.cpu_devices) is not None:
         sys.exit("--cpu-devices: JAX had already started")
@@ -167,9 +177,12 @@ def main() -> None:
         cfg = MODELS[name]()
         ours = Jaxrlhf(cfg, args.cpu_devices, args.slots, args.chunk)
         runners = {"engine": lambda o=ours: o.engine_call(lengths)}
+        if args.full_views:
+            runners["engine full"] = lambda o=ours: o.engine_call(lengths, views=False)
         if not args.skip_static:
             runners["static scan"] = lambda o=ours: o.static_call("scan")
-            runners["static while"] = lambda o=ours: o.static_call("while")
+            if not args.skip_while:
+                runners["static while"] = lambda o=ours: o.static_call("while")
         if not args.skip_hf:
             hf = Transformers(cfg, lengths)
             runners["transformers"] = hf.call

@@ -24,6 +24,7 @@ YAML layout (every section optional except ``algorithm``)::
     train: {steps: 200, batch_size: 32}
     logging: {progress: auto}
     checkpoint: {export_hf: true}
+    lora: {rank: 8, alpha: 16, targets: [q, k, v, o]}   # default null: full fine-tuning
     sft: {...}  reward_model: {...}  dpo: {...}  ppo: {...}  grpo: {...}   # its options
 
 Overrides are ``section.field=value`` with the value parsed as YAML (``optimizer.lr=1e-5``,
@@ -55,6 +56,7 @@ from jaxrlhf.train.config import (
     CheckpointConfig,
     DPOConfig,
     LoggingConfig,
+    LoraConfig,
     OptimizerConfig,
     RewardModelConfig,
     SFTConfig,
@@ -157,6 +159,7 @@ class RunConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    lora: LoraConfig | None = None  # LoRA adapters on the trained model (null: all weights)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
@@ -505,6 +508,35 @@ def _check_model(cfg: RunConfig, ctx: _Context) -> ModelConfig:
     return model_cfg
 
 
+def _check_lora(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
+    """LoRA's targets must exist in the model: no MLP targets on mixture-of-experts layers,
+    no ``gate`` on an ungated MLP (GPT-2)."""
+    if cfg.lora is None:
+        return
+    mlp = [t for t in cfg.lora.targets if t in ("gate", "up", "down")]
+    if mlp and model_cfg.num_experts:
+        ctx.fail(
+            "lora.targets",
+            f"{mlp} adapt a dense MLP; this {model_cfg.family} model's MLPs are mixtures of "
+            "experts (adapt the attention: q, k, v, o)",
+        )
+    if "gate" in cfg.lora.targets and not model_cfg.gated_mlp:
+        ctx.fail("lora.targets", f"'gate': this {model_cfg.family} model's MLP has no gate")
+
+
+def _check_hydra(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
+    """A Hydra critic branches below the top layer, of a dense model, without LoRA."""
+    if cfg.algorithm != "ppo" or not cfg.ppo.hydra:
+        return
+    b, layers = cfg.ppo.value.branch_layer, model_cfg.num_layers
+    if b >= layers:
+        ctx.fail("ppo.value.branch_layer", f"must be below the model's {layers} layers, got {b}")
+    if cfg.lora is not None:
+        ctx.fail("ppo.value.branch_layer", "a Hydra critic and LoRA cannot be combined")
+    if model_cfg.num_experts:
+        ctx.fail("ppo.value.branch_layer", "a Hydra critic needs a dense model, not experts")
+
+
 def _check_data(cfg: RunConfig, ctx: _Context) -> None:
     for field in ("train", "eval"):
         src = getattr(cfg.data, field)
@@ -586,6 +618,12 @@ def _check_interleaved(cfg: RunConfig, devices: int, train: int, ctx: _Context) 
         return
     if cfg.algorithm != "ppo":
         ctx.fail("placement.strategy", "interleaved puts the critic on its own devices: ppo only")
+    if cfg.ppo.hydra:
+        ctx.fail(
+            "placement.strategy",
+            "interleaved puts the critic on its own devices, but a Hydra critic "
+            "(ppo.value.branch_layer) shares the policy's trunk; use colocated or separated",
+        )
     from jaxrlhf.sharding.placement import role_devices, role_mesh_config
 
     try:
@@ -698,6 +736,8 @@ def validate(
     """
     ctx = _Context(source, override_paths)
     model_cfg = _check_model(cfg, ctx)
+    _check_lora(cfg, model_cfg, ctx)
+    _check_hydra(cfg, model_cfg, ctx)
     _check_data(cfg, ctx)
     given = None if mesh is None else tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
     devices, train = _device_counts(cfg, devices, None if given is None else mesh.size, ctx)

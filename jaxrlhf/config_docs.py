@@ -260,6 +260,12 @@ def _walk(cls: type, instance: Any, path: str) -> Iterator[Section]:
         if dataclasses.is_dataclass(value):
             nested.append((f, value))
             continue
+        section = _optional_section(hints[f.name])
+        if value is None and section is not None:  # ``lora: null`` by default: its own table
+            try:
+                nested.append((f, section()))
+            except ValueError:  # no valid default (a placement group): its row alone
+                pass
         required = value is dataclasses.MISSING
         rows.append(
             Field(
@@ -276,6 +282,14 @@ def _walk(cls: type, instance: Any, path: str) -> Iterator[Section]:
             yield from _model_sections(child)
         else:
             yield from _walk(type(value), value, child)
+
+
+def _optional_section(tp: Any) -> type | None:
+    """The dataclass of an ``X | None`` annotation (an optional section), else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    classes = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+    return classes[0] if len(classes) == 1 else None
 
 
 def _model_sections(path: str) -> Iterator[Section]:

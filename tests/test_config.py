@@ -228,7 +228,8 @@ def test_model_needs_exactly_one_source(tmp_path):
 def test_unknown_builtin_task(tmp_path):
     msg = _error(tmp_path, _merge(data={"train": "builtin:chess"}))
     assert (
-        msg == "FILE: data.train: unknown built-in task 'chess' (expected one of ['sort', 'add'])"
+        msg == "FILE: data.train: unknown built-in task 'chess' (expected one of ['sort', 'add', "
+        "'calc'])"
     )
 
 

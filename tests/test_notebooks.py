@@ -123,6 +123,8 @@ QUICKSTART_FILES = {
     "rm": ("rm.yaml",),
     "ppo": ("ppo.yaml",),
     "grpo": ("grpo.yaml",),
+    "tool_sft": ("tool_sft.yaml",),
+    "tool_grpo": ("tool_grpo.yaml",),
 }
 
 
@@ -132,8 +134,12 @@ from jaxrlhf.config import to_dict
 PROBE = {
     "configs": {
         name: to_dict(from_dict(cfg))
-        for name, cfg in {"sft": SFT, "rm": RM, "ppo": PPO, "grpo": GRPO}.items()
+        for name, cfg in {
+            "sft": SFT, "rm": RM, "ppo": PPO, "grpo": GRPO,
+            "tool_sft": TOOL_SFT, "tool_grpo": TOOL_GRPO,
+        }.items()
     },
+    "tool_history": tools.history,
     "algorithm": ALGORITHM,
     "steps": STEPS,
     "stages": list(results),
@@ -141,14 +147,20 @@ PROBE = {
     "answers": {name: len(completions) for name, completions in policies.items()},
 }"""
     result, nb = run_notebook("01_quickstart.ipynb", tmp_path, probe)
-    assert result["algorithm"] == "ppo" and result["stages"] == ["sft", "rm", "rl"]
+    assert result["algorithm"] == "ppo"
+    assert result["stages"] == ["sft", "rm", "rl", "tool_sft", "tool_rl"]
     history = result["rl_history"]
     assert len(history) == result["steps"]["rl"]
     for key in ("reward/mean", "reward/task_mean", "kl/seq_mean", "response/length_mean"):
         assert all(key in row for row in history), key
     assert history[-1]["kl/seq_mean"] > 0  # the policy moved away from the reference
     assert result["answers"] == {"SFT": 64, "PPO": 64}
-    assert _images(nb) >= 2  # RL curves (reward, KL, length) and the SFT/RM curves
+    # The tool section's GRPO ran multi-turn episodes through the calculator environment.
+    tool_history = result["tool_history"]
+    assert len(tool_history) == result["steps"]["tool_rl"]
+    for key in ("env/tool_use_rate", "reward/task_mean"):
+        assert all(0 <= row[key] <= 1 for row in tool_history), key
+    assert _images(nb) >= 3  # RL curves, the SFT/RM curves and the tool-use curves
     assert (tmp_path / "runs" / "ppo" / "hf" / "config.json").exists()
 
     # The notebook trains what `python -m jaxrlhf.train --config configs/quickstart.yaml`

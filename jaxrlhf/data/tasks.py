@@ -13,7 +13,9 @@ yields records of the kind the trainer needs:
 
 Problems are small enough for a 2-layer, width-64 model to learn in a few hundred steps on
 a CPU: ``sort`` asks for 3-6 digits in ascending order (``"sort 31415:"`` -> ``"11345"``),
-``add`` for the sum of two numbers below 100 (``"add 23+58="`` -> ``"81"``).
+``add`` for the sum of two numbers below 100 (``"add 23+58="`` -> ``"81"``); ``calc`` for
+the sum of two 6-digit numbers, the tool task of :mod:`jaxrlhf.data.tool_task` (its SFT
+records show a ``calculator`` tool call on some examples).
 
 Grades give partial credit, so that a policy that is almost right gets more reward than one
 that is far off (RL needs that signal), and exactly 1.0 only to the correct answer:
@@ -37,6 +39,7 @@ import numpy as np
 
 _SORT = re.compile(r"sort (\d+):")
 _ADD = re.compile(r"add (\d+)\+(\d+)=")
+_CALC = re.compile(r"calc (\d+)\+(\d+)=")
 
 
 def sort_answer(prompt: str) -> str:
@@ -52,6 +55,14 @@ def add_answer(prompt: str) -> str:
     m = _ADD.search(prompt)
     if m is None:
         raise ValueError(f"not an add prompt: {prompt!r}")
+    return str(int(m.group(1)) + int(m.group(2)))
+
+
+def calc_answer(prompt: str) -> str:
+    """The correct answer to a calc prompt (``jaxrlhf.data.tool_task``)."""
+    m = _CALC.search(prompt)
+    if m is None:
+        raise ValueError(f"not a calc prompt: {prompt!r}")
     return str(int(m.group(1)) + int(m.group(2)))
 
 
@@ -75,8 +86,16 @@ def grade_add(answer: str, completion: str) -> float:
     return sum(p == t for p, t in zip(reversed(pred), reversed(answer), strict=False)) / n
 
 
-ANSWERS: dict[str, Callable[[str], str]] = {"sort": sort_answer, "add": add_answer}
-GRADERS: dict[str, Callable[[str, str], float]] = {"sort": grade_sort, "add": grade_add}
+ANSWERS: dict[str, Callable[[str], str]] = {
+    "sort": sort_answer,
+    "add": add_answer,
+    "calc": calc_answer,
+}
+GRADERS: dict[str, Callable[[str, str], float]] = {
+    "sort": grade_sort,
+    "add": grade_add,
+    "calc": grade_add,
+}
 
 
 def grade(task: str, answer: str, completion: str) -> float:
@@ -96,7 +115,7 @@ def add_reward(prompt: str, completion: str) -> float:
     return grade_add(add_answer(prompt), completion)
 
 
-BUILTIN_TASKS = ("sort", "add")
+BUILTIN_TASKS = ("sort", "add", "calc")
 RECORD_KINDS = ("sft", "preference", "prompt")
 
 
@@ -108,6 +127,9 @@ def make_problem(task: str, rng: np.random.Generator) -> tuple[str, str]:
     elif task == "add":
         a, b = (int(x) for x in rng.integers(0, 100, 2))
         prompt = f"add {a}+{b}="
+    elif task == "calc":  # the tool task (jaxrlhf.data.tool_task)
+        a, b = (int(x) for x in rng.integers(100_000, 1_000_000, 2))
+        prompt = f"calc {a}+{b}="
     else:
         raise ValueError(f"unknown built-in task {task!r}; expected one of {BUILTIN_TASKS}")
     return prompt, ANSWERS[task](prompt)
@@ -129,6 +151,17 @@ def perturb(answer: str, rng: np.random.Generator) -> str:
         else:
             s.insert(i, str(rng.integers(10)))
     return "".join(s)
+
+
+TOOL_SFT_FRACTION = 0.4  # calc SFT records that show the calculator tool
+
+
+def tool_use_response(a: int, b: int) -> str:
+    """A calc SFT response that calls the ``calculator`` tool in the task's short syntax
+    (``<calc>a+b</calc>``, ``tool_task.CalculatorEnv``), reads its answer (framed as
+    ``generation.environment.NO_TEMPLATE_OBSERVATION``, what the environment answers through
+    the character tokenizer), then answers."""
+    return f"<calc>{a}+{b}</calc><tool_response>{a + b}</tool_response>{a + b}"
 
 
 def _candidate(answer: str, rng: np.random.Generator) -> str:
@@ -169,7 +202,10 @@ def builtin_records(
         prompt, answer = make_problem(task, rng)
         if prompt in excluded:
             continue
-        if kind == "sft":
+        if kind == "sft" and task == "calc" and rng.random() < TOOL_SFT_FRACTION:
+            a, b = (int(x) for x in _CALC.search(prompt).groups())
+            records.append({"prompt": prompt, "response": tool_use_response(a, b)})
+        elif kind == "sft":
             records.append({"prompt": prompt, "response": answer})
         elif kind == "prompt":
             records.append({"prompt": prompt, "answer": answer})

@@ -13,7 +13,7 @@ With n = 1 there is nothing to share: ``prefix_k``/``prefix_v`` are empty and ``
 hold prompt and generated slots together, ``[B, K, H, P + T]`` and ``[B, K, P + T, H]`` (the
 prompt copied in once by prefill), so that each attention is one matmul instead of two.
 
-Why this layout (measured on a 2-core CPU, bench-S, see benchmarks/RESULTS.md):
+Why this layout (the measurements are in benchmarks/RESULTS.md):
 
 * Head-major ``[.., K, H, S]`` keys and ``[.., K, S, H]`` values make both attention matmuls
   plain batched matmuls over ``(batch, kv_head)``, reading the cache in place. The model's

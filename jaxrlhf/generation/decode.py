@@ -115,33 +115,29 @@ def decode_weights(
       reads each layer's weights in place (a layer scan inside the loop would dynamic-slice,
       and on CPU copy, every layer's weights on every step).
     * With ``shards`` set, the q/k/v kernels become one ``qkv_kernel`` and gate/up one
-      ``gate_up_kernel`` (biases alike), so each layer runs two wide matmuls where it ran
-      five narrow ones: 8-10% of a bench-S generate call at M = 32 (see
-      benchmarks/RESULTS.md). ``shards`` is the number of devices the heads and MLP axes
-      are split over in the generation layout; the kernels are interleaved per shard
-      (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``) so that every device's slice of the fused
-      kernel is its own heads' q, k and v and the split after the matmul needs no
-      communication. ``None`` keeps the kernels apart (a layout where the axes are split
-      unevenly) and makes no blocks. A dict (:func:`fused_shards`) gives the count per
-      matmul: ``"attn"`` (q/k/v), ``"mlp"`` (gate/up), ``"o"``, ``"down"``, ``"head"`` (their
-      output axes); a missing or None entry leaves that matmul unfused and unblocked. An
-      int ``n`` means ``{"attn": n, "mlp": n, "head": n, "o": 1, "down": 1}``: the
-      generation layout splits heads, MLP units and the vocab alike and never the hidden
-      axis that o and down produce.
+      ``gate_up_kernel`` (biases alike), so each layer runs two wide matmuls where it ran five
+      narrow ones (measurably faster decode; benchmarks/RESULTS.md). ``shards`` is the number of
+      devices the heads and MLP axes are split over in the generation layout; the kernels are
+      interleaved per shard (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``) so that every device's slice of
+      the fused kernel is its own heads' q, k and v and the split after the matmul needs no
+      communication. ``None`` keeps the kernels apart (a layout where the axes are split unevenly)
+      and makes no blocks. A dict (:func:`fused_shards`) gives the count per matmul: ``"attn"``
+      (q/k/v), ``"mlp"`` (gate/up), ``"o"``, ``"down"``, ``"head"`` (their output axes); a missing
+      or None entry leaves that matmul unfused and unblocked. An int ``n`` means ``{"attn": n,
+      "mlp": n, "head": n, "o": 1, "down": 1}``: the generation layout splits heads, MLP units and
+      the vocab alike and never the hidden axis that o and down produce.
     * With ``block`` > 0 (the sampler's default where each CPU device has about one core,
       ``sampler.default_matmul_block``), the matmul kernels (fused q/k/v and
       gate/up, o, down next to a fused gate/up, the LM head) become column blocks
       ``[N / b, in, b]`` (:func:`_blocks`) that :func:`blocked_matmul` multiplies as one
       batched matmul. A decode step multiplies a few rows by every weight, which on CPU
       streams the weights from memory; contiguous blocks stream faster than the rows of an
-      ``[in, out]`` kernel: on an AMD EPYC Zen 4 VM blocks of 64 made a G1 bench-S call
-      13-16% faster on two CPU devices and bench-M 19% (benchmarks/RESULTS.md).
+      ``[in, out]`` kernel (the G1 figures are in benchmarks/RESULTS.md).
 
     Unblocked kernels keep the model's ``[in, out]`` layout (``[D, N, H]`` for ``q_kernel``,
     ``[F, D]`` for ``down_kernel``, ``[D, V]`` for ``lm_head``; ``o_kernel`` flattened to
-    ``[N*H, D]``). Until 2026-11-24 the loop stored them transposed (contracted dims last),
-    which an Intel VM's matmuls of a few rows preferred; on the Zen 4 VM the ``[in, out]``
-    layout was 10% faster.
+    ``[N*H, D]``), which XLA:CPU's matmuls of a few rows ran faster than a transposed
+    (contracted dims last) layout (benchmarks/RESULTS.md).
 
     Returns:
       ``(layers, lm_head)``: per-layer param trees (fused kernels ``[D, shards, rows]`` or
@@ -233,9 +229,8 @@ def blocked_matmul(x: Float[Array, "R K"], kernel: jax.Array) -> Float[Array, "R
 
     The blocked form is one batched matmul of ``x`` (broadcast) against each block: every
     block is contiguous, so the kernel streams the weights in order. With a few rows, as in
-    decode, the weights come from memory on every step and this ordering decides the speed:
-    on an AMD EPYC Zen 4 VM a [16, 256] x [256, 1408] product whose weights are not in
-    cache took 128 us in blocks of 64 against 184 us plain (benchmarks/RESULTS.md).
+    decode, the weights come from memory on every step and this ordering decides the speed
+    (benchmarks/RESULTS.md).
     """
     if kernel.ndim == 2:
         return jnp.dot(x, kernel)
@@ -274,7 +269,7 @@ def _fused_matmul(
     else:
         shards = kernel.shape[1]
         # One 2-D matmul: the same product as einsum "RD,DSM->RSM", which XLA:CPU ran
-        # ~10% slower over a bench-S decode call.
+        # slower.
         out = jnp.dot(x, kernel.reshape(kernel.shape[0], -1))
     out = out.reshape(x.shape[0], shards, -1)
     if f"{fused}_bias" in p:
@@ -352,7 +347,7 @@ def _rope_tables(
 
     ``models.attention.apply_rope`` computes them inside every call; in the decode loop XLA
     then fuses the cos/sin into each layer's and head's consumer and evaluates them again
-    for every element (measured: ~7% of a bench-M step). The barrier makes them one array.
+    for every element. The barrier makes them one array.
     """
     angles = positions.astype(jnp.float32)[:, None, None] * jnp.asarray(inv_freq)
     dtype = cfg.compute_dtype

@@ -16,6 +16,7 @@ Parameter axes:
   NORM      scale/bias vectors of normalisation layers (tiny; replicated)
   POSITIONS learned absolute position rows (GPT-2)
   SCALAR    the size-1 output of a value/reward head
+  LORA_RANK the rank r of a LoRA adapter (models/lora.py; small, replicated)   r
 
 Activation axes (distinct names so activation and parameter layouts can differ):
   BATCH       batch rows                                                  B
@@ -38,6 +39,7 @@ LAYERS = "layers"
 NORM = "norm"
 POSITIONS = "positions"
 SCALAR = "scalar"
+LORA_RANK = "lora_rank"
 
 BATCH = "batch"
 LENGTH = "length"
@@ -61,6 +63,7 @@ PARAM_AXES = (
     NORM,
     POSITIONS,
     SCALAR,
+    LORA_RANK,
 )
 ACTIVATION_AXES = (
     BATCH,

@@ -20,17 +20,26 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrlhf.models import moe
 from jaxrlhf.models.attention import causal_mask, layer_masks, positions_from_mask
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lora import LoraParams, LoraSpec, split_params
+from jaxrlhf.models.packing import PackedSequences
 from jaxrlhf.models.shared_prefix import PackedGroups
 from jaxrlhf.models.transformer import HEADS, Constrain, KVCache, no_constraint
 
-Params = Any  # nested dict of arrays: {"decoder": ..., "lm_head" | "score": ...}
+# A nested dict of arrays ({"decoder": ..., "lm_head" | "score": ...}), or for a LoRA model a
+# models.lora.LoraParams (frozen base and trainable adapters).
+Params = Any
 
 
-def build(cfg: ModelConfig, head: str = "lm", constrain: Constrain = no_constraint) -> nn.Module:
-    """The Linen module for ``head`` in {"lm", "scalar"}."""
+def build(
+    cfg: ModelConfig,
+    head: str = "lm",
+    constrain: Constrain = no_constraint,
+    lora: LoraSpec | None = None,
+) -> nn.Module:
+    """The Linen module for ``head`` in {"lm", "scalar"}, with LoRA adapters when ``lora``."""
     if head not in HEADS:
         raise ValueError(f"model head {head!r} is not one of {sorted(HEADS)}")
-    return HEADS[head](cfg, constrain)
+    return HEADS[head](cfg, constrain, lora)
 
 
 def _init_fn(module: nn.Module, key: jax.Array) -> Any:
@@ -39,16 +48,20 @@ def _init_fn(module: nn.Module, key: jax.Array) -> Any:
     return module.init(key, tokens, jnp.zeros((1, 1), jnp.int32), causal_mask(mask, 1))["params"]
 
 
-def logical_specs(cfg: ModelConfig, head: str = "lm") -> Any:
-    """Tree of PartitionSpecs of logical axis names, matching the param tree."""
-    boxed = jax.eval_shape(functools.partial(_init_fn, build(cfg, head)), jax.random.key(0))
+def logical_specs(cfg: ModelConfig, head: str = "lm", lora: LoraSpec | None = None) -> Any:
+    """Tree of PartitionSpecs of logical axis names, matching the param tree (adapters
+    included with ``lora``)."""
+    boxed = jax.eval_shape(
+        functools.partial(_init_fn, build(cfg, head, lora=lora)), jax.random.key(0)
+    )
     return nn.get_partition_spec(boxed)
 
 
-def abstract_params(cfg: ModelConfig, head: str = "lm") -> Any:
-    """Tree of ``jax.ShapeDtypeStruct`` for the (unboxed) params; no device memory used."""
+def abstract_params(cfg: ModelConfig, head: str = "lm", lora: LoraSpec | None = None) -> Any:
+    """Tree of ``jax.ShapeDtypeStruct`` for the (unboxed) params; no device memory used.
+    With ``lora`` the tree holds the adapters too (split it with ``lora.split_params``)."""
     return nn.unbox(
-        jax.eval_shape(functools.partial(_init_fn, build(cfg, head)), jax.random.key(0))
+        jax.eval_shape(functools.partial(_init_fn, build(cfg, head, lora=lora)), jax.random.key(0))
     )
 
 
@@ -65,10 +78,30 @@ def init_params(
     return init(key)
 
 
+def init_adapters(
+    cfg: ModelConfig, lora: LoraSpec, key: jax.Array, shardings: Any | None = None
+) -> Any:
+    """Fresh LoRA adapters (``A`` uniform, ``B`` zero; no ``score`` head), created directly in
+    ``shardings`` when given (only the adapters are computed)."""
+    module = build(cfg, "lm", lora=lora)
+
+    def init(k: jax.Array) -> Any:
+        _, trainable = split_params(nn.unbox(_init_fn(module, k)))
+        return trainable
+
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
 def _apply(module: nn.Module, params: Params, token_mask: jax.Array, *args, **kwargs) -> Any:
     """``module.apply`` returning the model output; inside
     :func:`jaxrlhf.models.moe.capture_router_logits`, an MoE model's router logits are
-    collected too (``token_mask`` [B, T]: the real tokens of the rows that ran)."""
+    collected too (``token_mask`` [B, T]: the real tokens of the rows that ran). A
+    :class:`~jaxrlhf.models.lora.LoraParams` is applied as its combined tree, with its
+    dropout key (if any) as the ``dropout`` rng."""
+    if isinstance(params, LoraParams):
+        if params.dropout_key is not None:
+            kwargs["rngs"] = {"dropout": params.dropout_key}
+        params = params.tree()
     sink = moe.router_sink()
     if sink is None or not module.cfg.num_experts:
         out, _ = module.apply({"params": params}, *args, **kwargs)
@@ -113,29 +146,28 @@ def forward(
 def forward_packed(
     module: nn.Module,
     params: Params,
-    packed: PackedGroups,
+    packed: PackedGroups | PackedSequences,
     select: Callable[[Float[Array, "G L D"]], Float[Array, "N M D"]],
 ) -> Float[Array, "N M ..."]:
-    """Forward of a rollout packed one prompt group per row (models/shared_prefix.py).
+    """Forward of a packed rollout: prompt groups one per row (models/shared_prefix.py) or
+    sequences packed by their real lengths (models/packing.py).
 
     Args:
       module, params: as for :func:`forward`.
-      packed: from :func:`jaxrlhf.models.shared_prefix.pack_groups`.
-      select: picks, from the ``[G, P + n*R, D]`` final hidden states, the ``[N, M, D]``
-        positions the head runs on (:func:`~jaxrlhf.models.shared_prefix.response_inputs`,
-        :func:`~jaxrlhf.models.shared_prefix.last_token_inputs`).
+      packed: from :func:`jaxrlhf.models.shared_prefix.pack_groups` or
+        :func:`jaxrlhf.models.packing.pack`.
+      select: picks, from the ``[G, L, D]`` final hidden states of the packed rows, the
+        ``[N, M, D]`` positions the head runs on (e.g.
+        :func:`~jaxrlhf.models.shared_prefix.response_inputs`,
+        :func:`~jaxrlhf.models.packing.response_inputs`).
 
     Returns:
       [N, M, V] float32 logits for an LM, [N, M] float32 values for a scalar head.
     """
-    # Real tokens of the packed rows: the prompt's (the prefix mask's diagonal) and the
-    # responses'.
-    prompt_mask = jnp.diagonal(packed.mask.prefix, axis1=1, axis2=2)
-    token_mask = jnp.concatenate(
-        [prompt_mask, packed.response_mask.reshape(prompt_mask.shape[0], -1)], axis=1
-    )
     masks = packed.layer_masks()
-    return _apply(module, params, token_mask, packed.tokens, packed.positions, masks, select=select)
+    return _apply(
+        module, params, packed.token_mask, packed.tokens, packed.positions, masks, select=select
+    )
 
 
 def forward_with_cache(

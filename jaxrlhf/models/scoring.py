@@ -13,8 +13,10 @@ is not data: the module (and so its sharding rules), the response budget ``R`` (
 consecutive rows (one prompt, ``n`` responses) runs as one packed row
 ``[prompt | response 1 | ... | response n]`` with a block attention mask, so the prompt runs
 through the model once (:mod:`jaxrlhf.models.shared_prefix`); outputs come back in the
-``[N, T]`` layout above. The callers (scoring, the losses, the reward model) never see the
-packing.
+``[N, T]`` layout above. With ``packing`` set, rows are instead packed by their real
+lengths, several sequences per row (:mod:`jaxrlhf.models.packing`), by a plan each call
+passes with the rows; the outputs come back in the same layout. The callers (scoring, the
+losses, the reward model) never see the packing.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.losses.common import token_logprobs_and_entropy
 from jaxrlhf.models import model as model_lib
+from jaxrlhf.models import packing as packing_lib
 from jaxrlhf.models import shared_prefix
+from jaxrlhf.models.packing import PackedShape, RowPacking
 
 
 def _pad_front(x: Float[Array, "N R"], start: int) -> Float[Array, "N T"]:
@@ -43,12 +47,26 @@ class RolloutForward:
       module: the Linen module (``models.model.build`` or a sharded build).
       max_new_tokens: R, the response slots at the end of every row.
       group_size: rows per packed prompt group (1: every row runs on its own); must divide
-        the rows of every batch it is applied to.
+        the rows of every batch it is applied to. Not used while ``packing`` is set.
+      packing: pack sequences by their real lengths into this shape (every call then
+        passes the rows' :class:`~jaxrlhf.models.packing.RowPacking`); None: the rows run as
+        they are, or in prompt groups. Programs hold the largest shape and pick one per
+        call (:meth:`with_packed_rows`).
     """
 
     module: Any
     max_new_tokens: int
     group_size: int = 1
+    packing: PackedShape | None = None
+
+    def with_packed_rows(self, rows: int | None) -> RolloutForward:
+        """This forward packing sequences into ``rows`` packed rows per shard, or (None) not
+        packing sequences."""
+        if rows is None:
+            return dataclasses.replace(self, packing=None)
+        if self.packing is None:
+            raise ValueError("this RolloutForward does not pack sequences")
+        return dataclasses.replace(self, packing=dataclasses.replace(self.packing, rows=rows))
 
     @property
     def cfg(self) -> Any:
@@ -64,13 +82,44 @@ class RolloutForward:
         start = self.prompt_len(tokens)
         return shared_prefix.pack_groups(tokens, mask, start, self.group_size, sliding_window)
 
+    def _sequences(
+        self, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"], plan: RowPacking | None
+    ) -> packing_lib.PackedSequences:
+        if plan is None:
+            raise ValueError("a sequence-packed RolloutForward needs the rows' packing plan")
+        return packing_lib.pack(
+            tokens,
+            mask,
+            plan,
+            self.packing,
+            self.prompt_len(tokens),
+            self.module.cfg.sliding_window,
+            self.module.constrain,
+        )
+
     def logprobs(
-        self, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+        self,
+        params: Any,
+        tokens: Int[Array, "N T"],
+        mask: Bool[Array, "N T"],
+        plan: RowPacking | None = None,
     ) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
         """``(logprobs, entropy)``: log pi(token_t | tokens_<t) and the entropy of that
         distribution at index ``t >= P`` (0 before), float32. The LM head and the
-        log-softmax run on the R response positions only."""
+        log-softmax run on the R response positions only (packed: on the real response
+        tokens only, 0 at the padding). ``plan``: the rows' packing (packed forwards)."""
         start = self.prompt_len(tokens)
+        if self.packing is not None:
+            packed = self._sequences(tokens, mask, plan)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
+            logits = model_lib.forward_packed(self.module, params, packed, select)  # [S, K, V]
+            logp, entropy = token_logprobs_and_entropy(logits, packed.head_targets)
+            return (
+                packing_lib.unpack_responses(logp, packed),
+                packing_lib.unpack_responses(entropy, packed),
+            )
         if self.group_size > 1:
             packed = self._packed(tokens, mask)
             select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
@@ -85,12 +134,57 @@ class RolloutForward:
         logp, entropy = token_logprobs_and_entropy(logits, targets)
         return _pad_front(logp[:, :-1], start), _pad_front(entropy[:, :-1], start)
 
+    def logprobs_and_values(
+        self,
+        params: Any,
+        tokens: Int[Array, "N T"],
+        mask: Bool[Array, "N T"],
+        plan: RowPacking | None = None,
+    ) -> tuple[Float[Array, "N T"], Float[Array, "N T"]]:
+        """``(logprobs, values)`` from one forward of a model with both heads (a Hydra model,
+        ``models/hydra.py``): :meth:`logprobs`' log-probs and the values at the response's
+        indices ``t >= P`` (0 before, as :meth:`values` gives them packed; sequence packing:
+        the real response tokens only). ``plan``: the rows' packing (packed forwards)."""
+        start = self.prompt_len(tokens)
+        if self.packing is not None:
+            packed = self._sequences(tokens, mask, plan)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
+            logits, values = model_lib.forward_packed(self.module, params, packed, select)
+            logp, _ = token_logprobs_and_entropy(logits, packed.head_targets)
+            return (
+                packing_lib.unpack_responses(logp, packed),
+                packing_lib.unpack_responses(values, packed),
+            )
+        if self.group_size > 1:
+            packed = self._packed(tokens, mask)
+            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
+            logits, values = model_lib.forward_packed(self.module, params, packed, select)
+            logp, _ = token_logprobs_and_entropy(logits, tokens[:, start:])
+            return _pad_front(logp, start), _pad_front(values, start)
+        logits, values = model_lib.forward(self.module, params, tokens, mask, head_from=start - 1)
+        targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+        logp, _ = token_logprobs_and_entropy(logits, targets)
+        return _pad_front(logp[:, :-1], start), _pad_front(values[:, :-1], start)
+
     def values(
-        self, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+        self,
+        params: Any,
+        tokens: Int[Array, "N T"],
+        mask: Bool[Array, "N T"],
+        plan: RowPacking | None = None,
     ) -> Float[Array, "N T"]:
         """V(state before token t) at index t from a scalar-head model: every index from 1
-        unpacked; the response's indices ``t >= P`` only when packed (0 before), all that GAE
-        and the value loss read."""
+        unpacked; the response's indices ``t >= P`` only when packed (0 before; sequence
+        packing: the real response tokens only), all that GAE and the value loss read."""
+        if self.packing is not None:
+            packed = self._sequences(tokens, mask, plan)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
+            out = model_lib.forward_packed(self.module, params, packed, select)  # [S, K]
+            return packing_lib.unpack_responses(out, packed)
         if self.group_size > 1:
             packed = self._packed(tokens, mask)
             select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
@@ -100,10 +194,20 @@ class RolloutForward:
         return jnp.pad(values, ((0, 0), (1, 0)))
 
     def sequence_scores(
-        self, params: Any, tokens: Int[Array, "N T"], mask: Bool[Array, "N T"]
+        self,
+        params: Any,
+        tokens: Int[Array, "N T"],
+        mask: Bool[Array, "N T"],
+        plan: RowPacking | None = None,
     ) -> Float[Array, " N"]:
         """A scalar-head model's score of each row: its value at the row's last real token
         (a reward model's readout)."""
+        if self.packing is not None:
+            packed = self._sequences(tokens, mask, plan)
+            select = functools.partial(
+                packing_lib.last_token_inputs, packed=packed, constrain=self.module.constrain
+            )
+            return model_lib.forward_packed(self.module, params, packed, select).reshape(-1)
         if self.group_size > 1:
             packed = self._packed(tokens, mask)
             select = functools.partial(shared_prefix.last_token_inputs, packed=packed)

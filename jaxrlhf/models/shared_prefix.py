@@ -79,6 +79,13 @@ class PackedGroups:
     response_mask: Bool[Array, "G n R"]
     sliding: SharedPrefixMask | None = None
 
+    @property
+    def token_mask(self) -> Bool[Array, "G L"]:
+        """[G, P + n*R] True at real tokens: the prompt's (the prefix mask's diagonal) and
+        the responses'."""
+        prompt = jnp.diagonal(self.mask.prefix, axis1=1, axis2=2)
+        return jnp.concatenate([prompt, self.response_mask.reshape(prompt.shape[0], -1)], axis=1)
+
     def layer_masks(self) -> SharedPrefixMask | LayerMasks:
         """The mask argument of the model: both masks when there is a window (the model
         picks per layer, ``ModelConfig.layer_types``), else the full one."""

@@ -26,7 +26,8 @@ Param tree (``CausalLM``)::
     decoder/final_norm/scale           [D]
     lm_head                            [D, V]     (embed, vocab)            untied models only
 ``ScalarModel`` has ``score [D, 1]`` (embed, scalar) instead of ``lm_head`` (value or reward
-head).
+head). Built with a :class:`~jaxrlhf.models.lora.LoraSpec`, the targeted attention and MLP
+kernels get ``<name>_lora_a`` / ``<name>_lora_b`` adapters beside them (models/lora.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from jaxrlhf.models.attention import (
     softcap,
 )
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lora import LoraSpec, lora_delta
 from jaxrlhf.models.shared_prefix import SharedPrefixMask, shared_prefix_attention
 
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
@@ -90,8 +92,8 @@ def dense(x: Float[Array, "*B K"], kernel: Float[Array, "K N"]) -> Float[Array, 
     Same result as ``jnp.einsum("BTK,KN->BTN", ...)`` but a much cheaper backward on XLA:CPU:
     the weight gradient of the 3-D einsum contracts two axes (B and T), which XLA
     canonicalises by physically transposing the ``[B, T, N]`` cotangent (fused with the
-    activation's derivative, these copies were ~25% of a bench-S policy update). The 2-D form's
-    weight gradient ``x2ᵀ g2`` is one matmul with a transposed operand and no copy.
+    activation's derivative, these copies were a large part of a small model's update). The
+    2-D form's weight gradient ``x2ᵀ g2`` is one matmul with a transposed operand and no copy.
     """
     out = jnp.dot(x.reshape(-1, x.shape[-1]), kernel)
     return out.reshape(*x.shape[:-1], kernel.shape[-1])
@@ -110,9 +112,9 @@ ACTIVATIONS = {
 # Layer stacks up to this deep run their nn.scan fully unrolled (same params, same math). A
 # scanned stack keeps each layer's activations for the backward in stacked [L, ...] buffers:
 # zero-filled, written slice by slice in the forward and read back slice by slice in the
-# backward; unrolled, XLA keeps them as plain per-layer arrays. On XLA:CPU that was ~15% of a
-# bench-S (4 layers) policy update. Compile time grows with depth (measured +1.8 s for
-# bench-S, +1.4 s for bench-M's 12 layers), so deeper stacks stay a loop.
+# backward; unrolled, XLA keeps them as plain per-layer arrays, which makes a small model's
+# update on XLA:CPU measurably faster. Compile time grows with depth, so deeper stacks stay a
+# loop (benchmarks/RESULTS.md has both figures).
 UNROLL_MAX_LAYERS = 16
 
 _REMAT_POLICIES = {
@@ -162,6 +164,7 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(
@@ -184,6 +187,17 @@ class Attention(nn.Module):
                 self, f"{name}_kernel", (d, heads, h), (axes.EMBED, head_axis, axes.HEAD_DIM), init
             )
             out = dense(x, kernel.reshape(d, heads * h)).reshape(*x.shape[:-1], heads, h)
+            if self.adapts(name):
+                out = out + lora_delta(
+                    self,
+                    self.lora,
+                    name,
+                    x,
+                    (d,),
+                    (heads, h),
+                    (axes.EMBED,),
+                    (head_axis, axes.HEAD_DIM),
+                )
             if cfg.qkv_bias:
                 out = out + _param(
                     self, f"{name}_bias", (heads, h), (head_axis, axes.HEAD_DIM), zeros
@@ -219,15 +233,34 @@ class Attention(nn.Module):
         o_kernel = _param(
             self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init
         )
+        attn = out
         out = dense(out.reshape(*out.shape[:-2], n * h), o_kernel.reshape(n * h, d))
+        if self.adapts("o"):
+            names = (axes.HEADS, axes.HEAD_DIM)
+            out = out + lora_delta(self, self.lora, "o", attn, (n, h), (d,), names, (axes.EMBED,))
         if cfg.out_bias:
             out = out + _param(self, "o_bias", (d,), (axes.EMBED,), zeros)
         return out, new_cache
+
+    def adapts(self, name: str) -> bool:
+        return self.lora is not None and name in self.lora.targets
 
 
 class Mlp(nn.Module):
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    lora: LoraSpec | None = None
+
+    def adapts(self, name: str) -> bool:
+        return self.lora is not None and name in self.lora.targets
+
+    def project(self, name: str, x: jax.Array, kernel: jax.Array, in_name: str, out_name: str):
+        """``x @ kernel`` plus the LoRA update when ``name`` is adapted."""
+        out = dense(x, kernel)
+        if self.adapts(name):
+            dims = ((kernel.shape[0],), (kernel.shape[1],), (in_name,), (out_name,))
+            out = out + lora_delta(self, self.lora, name, x, *dims)
+        return out
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
@@ -237,12 +270,13 @@ class Mlp(nn.Module):
         act = ACTIVATIONS[cfg.activation]
         act_names = (axes.BATCH, axes.LENGTH, axes.ACT_MLP)
 
-        up = dense(x, _param(self, "up_kernel", (d, f), (axes.EMBED, axes.MLP), init))
+        up_kernel = _param(self, "up_kernel", (d, f), (axes.EMBED, axes.MLP), init)
+        up = self.project("up", x, up_kernel, axes.EMBED, axes.MLP)
         if cfg.mlp_bias:
             up = up + _param(self, "up_bias", (f,), (axes.MLP,), zeros)
         if cfg.gated_mlp:
             gate_kernel = _param(self, "gate_kernel", (d, f), (axes.EMBED, axes.MLP), init)
-            gate = dense(x, gate_kernel)
+            gate = self.project("gate", x, gate_kernel, axes.EMBED, axes.MLP)
             if cfg.mlp_bias:
                 gate = gate + _param(self, "gate_bias", (f,), (axes.MLP,), zeros)
             hidden = act(gate) * up
@@ -250,7 +284,7 @@ class Mlp(nn.Module):
             hidden = act(up)
         hidden = self.constrain(hidden, act_names)
         down_kernel = _param(self, "down_kernel", (f, d), (axes.MLP, axes.EMBED), init)
-        out = dense(hidden, down_kernel)
+        out = self.project("down", hidden, down_kernel, axes.MLP, axes.EMBED)
         if cfg.mlp_bias:
             out = out + _param(self, "down_bias", (d,), (axes.EMBED,), zeros)
         return out
@@ -286,11 +320,12 @@ class MoeMlp(nn.Module):
         return out.reshape(x.shape)
 
 
-def feed_forward(cfg: ModelConfig, constrain: Constrain) -> nn.Module:
-    """The layer's MLP block: experts (named ``moe``) or a dense MLP (``mlp``)."""
+def feed_forward(cfg: ModelConfig, constrain: Constrain, lora: LoraSpec | None) -> nn.Module:
+    """The layer's MLP block: experts (named ``moe``; not adapted by LoRA) or a dense MLP
+    (``mlp``)."""
     if cfg.num_experts:
         return MoeMlp(cfg, constrain, name="moe")
-    return Mlp(cfg, constrain, name="mlp")
+    return Mlp(cfg, constrain, lora, name="mlp")
 
 
 def select_layer_mask(cfg: ModelConfig, mask: Any, layer: Int[Array, ""]) -> Any:
@@ -324,13 +359,14 @@ class DecoderLayer(nn.Module):
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, cache, cache_index, layer):
         cfg = self.cfg
         residual_names = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
         mask = select_layer_mask(cfg, mask, layer)
-        attn_out, new_cache = Attention(cfg, self.constrain, name="attn")(
+        attn_out, new_cache = Attention(cfg, self.constrain, self.lora, name="attn")(
             Norm(cfg, name="attn_norm")(x),
             positions,
             mask,
@@ -341,11 +377,78 @@ class DecoderLayer(nn.Module):
         if cfg.post_norms:
             attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
         x = self.constrain(x + attn_out, residual_names)
-        mlp_out = feed_forward(cfg, self.constrain)(Norm(cfg, name="mlp_norm")(x))
+        mlp_out = feed_forward(cfg, self.constrain, self.lora)(Norm(cfg, name="mlp_norm")(x))
         if cfg.post_norms:
             mlp_out = Norm(cfg, name="post_mlp_norm")(mlp_out)
         x = x + mlp_out
         return self.constrain(x, residual_names), new_cache
+
+
+def embeddings(cfg: ModelConfig) -> tuple[nn.Module, nn.Module | None]:
+    """The token embedding and, for learned positions (GPT-2), the position embedding
+    (unbound: assign them in a module's ``setup``)."""
+    emb_init = nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=cfg.initializer_range), (axes.VOCAB, axes.EMBED)
+    )
+    embed = nn.Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        embedding_init=emb_init,
+        param_dtype=cfg.weight_dtype,
+        dtype=cfg.compute_dtype,
+    )
+    if cfg.position_embedding != "learned":
+        return embed, None
+    pos_init = nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=cfg.initializer_range), (axes.POSITIONS, axes.EMBED)
+    )
+    pos_embed = nn.Embed(
+        cfg.max_position_embeddings,
+        cfg.hidden_size,
+        embedding_init=pos_init,
+        param_dtype=cfg.weight_dtype,
+        dtype=cfg.compute_dtype,
+    )
+    return embed, pos_embed
+
+
+def embed_inputs(
+    cfg: ModelConfig,
+    constrain: Constrain,
+    embed: nn.Module,
+    pos_embed: nn.Module | None,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+) -> Float[Array, "B T D"]:
+    """The residual stream's input: token embeddings (scaled for Gemma) plus learned
+    positions (GPT-2)."""
+    x = embed(tokens)
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=cfg.compute_dtype)
+    if pos_embed is not None:
+        x = x + pos_embed(positions)
+    return constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+
+
+def layer_stack(
+    cfg: ModelConfig, constrain: Constrain, lora: LoraSpec | None, count: int
+) -> nn.Module:
+    """``count`` decoder layers under ``nn.scan`` (params stacked on a leading ``layers``
+    axis), rematerialised per ``cfg.remat``; called as ``(x, positions, mask, cache,
+    cache_index, layer_ids [count])``."""
+    layer = DecoderLayer
+    if cfg.remat != "none":
+        layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    return nn.scan(
+        layer,
+        variable_axes={"params": 0, "intermediates": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
+        length=count,
+        # By the model's depth, not the stack's: a deep model's Hydra branches loop too.
+        unroll=count if cfg.num_layers <= UNROLL_MAX_LAYERS else 1,
+        metadata_params={nn.PARTITION_NAME: axes.LAYERS},
+    )(cfg, constrain, lora)
 
 
 class Decoder(nn.Module):
@@ -353,43 +456,14 @@ class Decoder(nn.Module):
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    lora: LoraSpec | None = None
 
     def setup(self) -> None:
         cfg = self.cfg
-        emb_init = nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=cfg.initializer_range), (axes.VOCAB, axes.EMBED)
-        )
-        self.embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            embedding_init=emb_init,
-            param_dtype=cfg.weight_dtype,
-            dtype=cfg.compute_dtype,
-        )
-        if cfg.position_embedding == "learned":
-            pos_init = nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=cfg.initializer_range),
-                (axes.POSITIONS, axes.EMBED),
-            )
-            self.pos_embed = nn.Embed(
-                cfg.max_position_embeddings,
-                cfg.hidden_size,
-                embedding_init=pos_init,
-                param_dtype=cfg.weight_dtype,
-                dtype=cfg.compute_dtype,
-            )
-        layer = DecoderLayer
-        if cfg.remat != "none":
-            layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        self.layers = nn.scan(
-            layer,
-            variable_axes={"params": 0, "intermediates": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
-            length=cfg.num_layers,
-            unroll=cfg.num_layers if cfg.num_layers <= UNROLL_MAX_LAYERS else 1,
-            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
-        )(cfg, self.constrain)
+        self.embed, pos_embed = embeddings(cfg)
+        if pos_embed is not None:
+            self.pos_embed = pos_embed
+        self.layers = layer_stack(cfg, self.constrain, self.lora, cfg.num_layers)
         self.final_norm = Norm(cfg)
 
     def __call__(
@@ -403,12 +477,8 @@ class Decoder(nn.Module):
         """``mask``: one attention mask for every layer, or :class:`LayerMasks` (each layer
         takes the part its ``layer_types`` entry names)."""
         cfg = self.cfg
-        x = self.embed(tokens)
-        if cfg.scale_embeddings:
-            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=cfg.compute_dtype)
-        if cfg.position_embedding == "learned":
-            x = x + self.pos_embed(positions)
-        x = self.constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+        pos_embed = self.pos_embed if cfg.position_embedding == "learned" else None
+        x = embed_inputs(cfg, self.constrain, self.embed, pos_embed, tokens, positions)
         layer_cache = None if cache is None else (cache.k, cache.v)
         layer_ids = jnp.arange(cfg.num_layers)
         x, new_layer_cache = self.layers(x, positions, mask, layer_cache, cache_index, layer_ids)
@@ -432,13 +502,14 @@ class CausalLM(nn.Module):
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(
         self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0, select=None
     ):
         cfg = self.cfg
-        decoder = Decoder(cfg, self.constrain, name="decoder")
+        decoder = Decoder(cfg, self.constrain, self.lora, name="decoder")
         hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
         hidden = hidden[:, head_from:] if select is None else select(hidden)
         if cfg.tie_embeddings:
@@ -466,13 +537,14 @@ class ScalarModel(nn.Module):
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
+    lora: LoraSpec | None = None
 
     @nn.compact
     def __call__(
         self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0, select=None
     ):
         cfg = self.cfg
-        hidden, new_cache = Decoder(cfg, self.constrain, name="decoder")(
+        hidden, new_cache = Decoder(cfg, self.constrain, self.lora, name="decoder")(
             tokens, positions, mask, cache, cache_index
         )
         hidden = hidden[:, head_from:] if select is None else select(hidden)

@@ -16,17 +16,24 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lora import LoraSpec
 from jaxrlhf.models.transformer import Constrain
 from jaxrlhf.sharding.rules import Rules, activation_sharding, logical_to_shardings
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, head: str = "lm") -> Any:
-    """NamedSharding tree matching ``model_lib.abstract_params(cfg, head)``.
+def param_shardings(
+    cfg: ModelConfig, mesh: Mesh, rules: Rules, head: str = "lm", lora: LoraSpec | None = None
+) -> Any:
+    """NamedSharding tree matching ``model_lib.abstract_params(cfg, head, lora)`` (LoRA
+    adapters included with ``lora``).
 
     Dims not divisible by their mesh axes are replicated with a logged warning.
     """
     return logical_to_shardings(
-        model_lib.logical_specs(cfg, head), mesh, rules, shapes=model_lib.abstract_params(cfg, head)
+        model_lib.logical_specs(cfg, head, lora),
+        mesh,
+        rules,
+        shapes=model_lib.abstract_params(cfg, head, lora),
     )
 
 
@@ -44,9 +51,11 @@ def activation_constraint(mesh: Mesh, rules: Rules) -> Constrain:
     return constrain
 
 
-def build_sharded(cfg: ModelConfig, mesh: Mesh, rules: Rules, head: str = "lm") -> nn.Module:
+def build_sharded(
+    cfg: ModelConfig, mesh: Mesh, rules: Rules, head: str = "lm", lora: LoraSpec | None = None
+) -> nn.Module:
     """``model_lib.build`` with activation constraints for ``rules`` on ``mesh``."""
-    return model_lib.build(cfg, head, activation_constraint(mesh, rules))
+    return model_lib.build(cfg, head, activation_constraint(mesh, rules), lora)
 
 
 def bytes_per_device(shardings: Any, abstract: Any) -> dict[Any, int]:

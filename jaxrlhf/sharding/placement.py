@@ -39,6 +39,7 @@ Strategies (``strategy``) put roles on device groups of their own:
   else on the learner's): the critic's value forward and update run while the policy's
   scoring forwards and update run (a host thread dispatches the critic's update). The
   groups' data shards (data x fsdp) must be equal, so both updates split the rollout alike.
+  Not with a Hydra critic (``ppo.value.branch_layer``): it shares the policy's trunk.
 
 A group is ``{devices: [i, ...]}`` (indices into ``jax.devices()``) or ``{fraction: f}`` (the
 next ``round(f * n)`` devices not taken), with an optional ``mesh`` shape over it (default:

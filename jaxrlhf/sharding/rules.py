@@ -84,6 +84,7 @@ TRAIN: Rules = (
         (ax.NORM, None),
         (ax.POSITIONS, None),
         (ax.SCALAR, None),
+        (ax.LORA_RANK, None),
         # activations
         (ax.BATCH, ("data", "fsdp")),
         (ax.LENGTH, None),
@@ -119,6 +120,7 @@ GENERATE: Rules = (
         (ax.NORM, None),
         (ax.POSITIONS, None),
         (ax.SCALAR, None),
+        (ax.LORA_RANK, None),
         # activations
         (ax.BATCH, ("data", "fsdp")),
         (ax.LENGTH, None),

@@ -1,5 +1,5 @@
 """Typed configs of training: the loop (steps and batch sizes, logging, checkpoints and
-exports), the optimizer, and the supervised algorithms (SFT, reward model, DPO).
+exports), the optimizer, LoRA, and the supervised algorithms (SFT, reward model, DPO).
 
 Plain dataclasses only: importing this module loads no JAX, Flax or optax (``jaxrlhf.config``
 composes these sections and must stay light). The code each section configures lives in
@@ -41,6 +41,8 @@ DPO_F_DIVERGENCE_LOSSES = (
 SFT_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 PROGRESS_MODES = ("auto", "rich", "tqdm", "plain", "none")
 EXPORT_DTYPES = (None, "float32", "bfloat16", "float16")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # models/lora.py's TARGETS
+LORA_SYNCS = ("adapters", "full")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -301,3 +303,49 @@ class DPOConfig:
     @property
     def average_logps(self) -> bool:
         return self.loss_type in ("ipo", "simpo", "orpo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the trained model (``models/lora.py``), for every algorithm.
+
+    The pretrained weights stay frozen and are held once: the trained model, a DPO or RL
+    reference (the base without adapters) and a LoRA critic (PPO) share them. Only the
+    adapters (and a scalar model's ``score`` head) are trained, have optimizer state and are
+    checkpointed. The final export writes the merged model to ``hf/`` and the adapter alone
+    in PEFT's format to ``adapter/``.
+
+    Attributes:
+      rank: r, the adapters' inner dimension.
+      alpha: scale numerator (the update is ``alpha / rank * x A B``).
+      dropout: dropout on each adapter's input during training updates.
+      targets: the adapted projections: ``q``, ``k``, ``v``, ``o`` (attention), ``gate``,
+        ``up``, ``down`` (a dense MLP; mixture-of-experts layers are not adapted).
+      sync: how an RL run's sampler gets the policy each iteration: ``adapters`` (it keeps
+        the base weights in its own layout and receives only the adapters, merging them on
+        its side) or ``full`` (the merged weights are resharded, as without LoRA).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    sync: str = "adapters"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank: must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(
+                f"targets: expected a non-empty list from {list(LORA_TARGETS)}, "
+                f"got {list(self.targets)}"
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets: {list(self.targets)} names a projection twice")
+        if self.sync not in LORA_SYNCS:
+            raise ValueError(f"sync: expected one of {list(LORA_SYNCS)}, got {self.sync!r}")

@@ -73,6 +73,7 @@ from jaxrlhf.sharding.placement import (
     train_device_count,
 )
 from jaxrlhf.train import dry_run_phases as phases
+from jaxrlhf.train import dry_run_rl
 from jaxrlhf.train.dry_run_phases import DryRunError, ProgramMemory, RoleMemory
 
 __all__ = [
@@ -179,6 +180,8 @@ class DryRunReport:
     device_label: str
     seconds: float
     notes: tuple[str, ...] = ()
+    sync_bytes: tuple[int, int] | None = None  # LoRA policy: (adapter, full) sync per iteration
+    critic_bytes: tuple[int, int] | None = None  # Hydra critic: (its, a separate one's) per device
 
     @property
     def devices(self) -> int:
@@ -329,7 +332,7 @@ def plan(
     model_cfg = layout.model
     planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh)
     if cfg.algorithm in RL_ALGORITHMS:
-        shapes = phases.plan_rl(planner, layout)
+        shapes = dry_run_rl.plan_rl(planner, layout)
     else:
         shapes = phases.plan_supervised(planner, layout)
     device = mesh.devices.flat[0]
@@ -340,7 +343,7 @@ def plan(
         source=source,
         algorithm=cfg.algorithm,
         model=(
-            f"{model_cfg.family}, {planner.roles[0].params:,} parameters ({model_cfg.param_dtype} "
+            f"{model_cfg.family}, {_parameters(planner.roles, cfg)} ({model_cfg.param_dtype} "
             f"params, {model_cfg.dtype} compute, remat {model_cfg.remat})"
         ),
         mesh=dict(mesh.shape),
@@ -352,7 +355,22 @@ def plan(
         device_label=device_label,
         seconds=time.perf_counter() - start,
         notes=tuple(planner.notes),
+        sync_bytes=planner.sync_bytes,
+        critic_bytes=planner.critic_bytes,
     )
+
+
+def _parameters(roles: Sequence[RoleMemory], cfg: RunConfig) -> str:
+    """The trained model's size: its parameters, or a LoRA model's base and adapters."""
+    trunk = [r for r in roles if r.role == "trunk"]
+    if trunk:  # Hydra: the policy's branch is roles[0]
+        return f"{trunk[0].params + roles[0].params:,} parameters"
+    if len(roles) > 1 and roles[1].role == "base":
+        return (
+            f"{roles[1].params:,} parameters + {roles[0].params:,} LoRA (rank {cfg.lora.rank}, "
+            f"{', '.join(cfg.lora.targets)})"
+        )
+    return f"{roles[0].params:,} parameters"
 
 
 def mesh_devices(mesh: MeshConfig) -> int | None:

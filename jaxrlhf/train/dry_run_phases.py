@@ -23,15 +23,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
-from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
-from jaxrlhf.train.rl_types import LearnerBatch, RolloutRows
 from jaxrlhf.train.state import TrainState, create_state
 from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
 
@@ -104,7 +102,7 @@ class RoleMemory:
     note: str = ""
 
 
-def _sds(shape: Sequence[int], dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+def sds(shape: Sequence[int], dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
@@ -128,13 +126,15 @@ class Planner:
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []
         self.notes: list[str] = []
+        self.sync_bytes: tuple[int, int] | None = None  # LoRA: (adapters, full) per iteration
+        self.critic_bytes: tuple[int, int] | None = None  # Hydra: (its critic, a separate one)
         self.replicated = NamedSharding(mesh, P())
         self.key = jax.eval_shape(lambda: jax.random.key(0))
 
     def add(self, name: str, abstract: Any, shardings: Any) -> Any:
         """Registers a tree; returns it as ShapeDtypeStructs carrying their shardings."""
         self.trees[name] = (abstract, shardings)
-        return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), abstract, shardings)
+        return jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
 
     def nbytes(self, *names: str) -> int:
         """Max over devices of the summed bytes of the named trees."""
@@ -155,10 +155,14 @@ class Planner:
             self.notes.append(f"{what}: {e}; planned with the policy's architecture")
             return self.model_cfg, "policy architecture assumed"
 
-    def trained(self, role: str, head: str, optimizer: Any, sh: TrainState) -> Any:
+    def trained(
+        self, role: str, head: str, optimizer: Any, sh: TrainState, abstract: Any = None
+    ) -> Any:
         """Registers ``role.params`` and ``role.opt`` (in the program's state shardings
-        ``sh``); returns the abstract TrainState with its shardings."""
-        abstract = model_lib.abstract_params(self.model_cfg, head)
+        ``sh``; ``abstract``: the trained params, default the whole model); returns the
+        abstract TrainState with its shardings."""
+        if abstract is None:
+            abstract = model_lib.abstract_params(self.model_cfg, head)
         param_sh = sh.params
         state = jax.eval_shape(lambda p: create_state(p, optimizer), abstract)
         self.add(f"{role}.params", abstract, param_sh)
@@ -172,7 +176,22 @@ class Planner:
                 optimizer_bytes=self.nbytes(f"{role}.opt"),
             )
         )
-        return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), state, sh)
+        return jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), state, sh)
+
+    def lora(self, role: str, lora: Any, optimizer: Any, sh: TrainState) -> tuple[Any, Any]:
+        """A LoRA learner: its adapters as ``role.params`` / ``role.opt`` (:meth:`trained`)
+        and its frozen base as ``role.base``; returns ``(abstract state, abstract base)``."""
+        state = self.trained(role, lora.head, optimizer, sh, lora.trainable)
+        self.roles[-1] = dataclasses.replace(self.roles[-1], note="LoRA adapters")
+        return state, self.frozen_tree(f"{role}.base", lora, f"frozen {role} weights")
+
+    def frozen_tree(self, name: str, lora: Any, note: str) -> Any:
+        """Registers a LoRA learner's frozen base as ``name`` (a ``base`` role); returns it
+        abstract."""
+        base = self.add(name, lora.frozen, lora.frozen_shardings)
+        n = model_lib.param_count(base)
+        self.roles.append(RoleMemory("base", lora.head, n, self.nbytes(name), note=note))
+        return base
 
     def frozen(self, role: str, cfg: ModelConfig, head: str, sh: Any, note: str = "") -> Any:
         """Registers ``role.params`` (in the program's parameter shardings ``sh``); returns
@@ -233,30 +252,34 @@ def plan_supervised(pl: Planner, layout: RunLayout) -> str:
     if objective.reference is not None:
         ref_model, note = pl.arch(objective.reference.hf_dir, "dpo.reference_hf_dir")
     programs = build_supervised_programs(cfg, layout, pl.model_cfg, mesh, reference_model=ref_model)
-    role = objective.role
-    state = pl.trained(role, objective.head, programs.learner.optimizer, programs.state_shardings)
-    live = [f"{role}.params", f"{role}.opt"]
+    role, optimizer, lora = objective.role, programs.learner.optimizer, programs.lora
+    frozen = None
+    if lora is None:
+        state = pl.trained(role, objective.head, optimizer, programs.state_shardings)
+        live = [f"{role}.params", f"{role}.opt"]
+    else:
+        state, frozen = pl.lora(role, lora, optimizer, programs.state_shardings)
+        live = [f"{role}.params", f"{role}.opt", f"{role}.base"]
     batch = {
-        k: _sds(shape, dtype, programs.batch_shardings[k])
+        k: sds(shape, dtype, programs.batch_shardings[k])
         for k, (shape, dtype) in batch_layout(cfg, objective).items()
     }
     if programs.reference is not None:
-        ref_params = pl.frozen("reference", ref_model, "lm", programs.reference_shardings, note)
         ref_batch = {k: v for k, v in batch.items() if k != "reference_logps"}
-        pl.compile(
-            "score",
-            "reference",
-            programs.reference,
-            (ref_params, ref_batch),
-            live=[*live, "reference.params"],
-            passed=["reference.params"],
-        )
+        if frozen is not None and objective.reference.hf_dir is None:  # the base itself
+            pl.notes.append("the reference is the LoRA base (no copy)")
+            args, ref_live, ref_passed = (frozen, ref_batch), live, [f"{role}.base"]
+        else:
+            ref_params = pl.frozen("reference", ref_model, "lm", programs.reference_shardings, note)
+            args, ref_live = (ref_params, ref_batch), [*live, "reference.params"]
+            ref_passed = ["reference.params"]
+        pl.compile("score", "reference", programs.reference, args, live=ref_live, passed=ref_passed)
         if objective.reference.precompute:
             pl.notes.append("reference log-probs are precomputed, then the reference is freed")
-        else:
+        elif ref_passed == ["reference.params"]:
             live.append("reference.params")
-    args = (state, batch, pl.key)
-    passed = [f"{role}.params", f"{role}.opt"]
+    args = (state, batch, pl.key, frozen)
+    passed = [f"{role}.params", f"{role}.opt"] + [f"{role}.base"] * (frozen is not None)
     pl.compile("train", "train_step", programs.train_step, args, live=live, passed=passed)
     changed = [
         f"{jax.tree_util.keystr(path)} {a.dtype} -> {b.dtype}"
@@ -275,197 +298,4 @@ def plan_supervised(pl: Planner, layout: RunLayout) -> str:
     return (
         f"batch {cfg.train.batch_size} x {cfg.data.max_length} tokens, "
         f"{layout.num_micro} micro-batch(es) per update"
-    )
-
-
-# ---- RL (ppo, grpo) ---------------------------------------------------------------------------
-
-
-def _select(mask: Any, want: bool, *trees: Any) -> list[list[Any]]:
-    """The leaves of each tree where ``mask``'s leaf is ``want``."""
-    flags = jax.tree.leaves(mask)
-    return [[x for x, f in zip(jax.tree.leaves(t), flags, strict=True) if f == want] for t in trees]
-
-
-def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfig | None, str]:
-    """The run's RLPrograms on abstract shapes: the sampler compiled as on an accelerator
-    (no CPU weight blocks), one stop id (the tokenizer's EOS, unread here)."""
-    algo = rl_section(pl.cfg)
-    rm_model, note = None, ""
-    if algo.reward.model_dir is not None:
-        rm_model, note = pl.arch(algo.reward.model_dir, f"{pl.cfg.algorithm}.reward.model_dir")
-    else:
-        pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
-    sampling = sampling_params(algo)  # shapes only: a stop id is always one entry
-    programs = build_rl_programs(
-        pl.cfg,
-        layout,
-        pl.model_cfg,
-        pl.mesh,
-        pl.generate_mesh,
-        sampling,
-        reward_model=rm_model,
-        matmul_block=0,
-    )
-    return programs, rm_model, note
-
-
-def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
-    """Prefill and decode, reading a generate-layout copy of the policy parameters."""
-    sampler, cfg = programs.sampler, pl.cfg
-    if pl.generate_mesh is not pl.mesh:
-        pl.notes.append(
-            f"sampler on its own mesh {dict(pl.generate_mesh.shape)} (placement.generate_mesh); "
-            "its copy of the policy is counted on each of its devices, the training devices' "
-            "included (an upper bound: jax.device_put may reuse a training buffer there)"
-        )
-    abstract, train_sh = pl.trees["policy.params"]
-    gen_params = pl.add("policy.generate", abstract, sampler.param_shardings)
-    # Leaves whose layout does not change are shared (jax.device_put makes no copy).
-    same = jax.tree.map(
-        lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, sampler.param_shardings, train_sh
-    )
-    pl.add("policy.generate.copy", *_select(same, False, abstract, sampler.param_shardings))
-    pl.add("policy.generate.shared", *_select(same, True, abstract, train_sh))
-    pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
-    b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
-    statics = programs.sampling.static()
-    gen_live = [*held, "policy.generate.copy"]
-    gen_passed = ["policy.generate.copy", "policy.generate.shared"]
-    arrays = jax.tree.map(lambda x: _sds(x.shape, x.dtype), programs.sampling.arrays())
-    if programs.engine is not None:
-        _plan_engine(pl, programs, gen_params, arrays, gen_live, gen_passed)
-        return
-    prompts = (_sds((b, p_len), jnp.int32), _sds((b, p_len), bool))
-    prefill_fn = sampler.prefill_program(statics, b, p_len)
-    prefill_args = (gen_params, *prompts, pl.key)
-    prefill = pl.compile(
-        "generate", "prefill", prefill_fn, prefill_args, live=gen_live, passed=gen_passed
-    )
-    sampler_state = jax.tree.map(
-        lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(prefill_fn, *prefill_args),
-        prefill.output_shardings,
-    )
-    pl.compile(
-        "generate",
-        "decode",
-        sampler.decode_program(statics, "scan", b, p_len),
-        (gen_params, sampler_state, arrays),
-        live=gen_live,
-        passed=gen_passed,
-    )
-
-
-def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
-    """The rollout engine's admission and decode-chunk programs on its slot state; a note
-    gives the slots' KV cache per device."""
-    engine, cfg = programs.engine, pl.cfg
-    r = programs.algo.rollout
-    p_len, t = cfg.data.max_prompt_length, r.max_new_tokens
-    sharding = engine.state_shardings(p_len, t)
-    abstract = jax.eval_shape(engine.empty_program(p_len, t))
-    state = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), abstract, sharding)
-    a, n = engine.slots // r.num_samples, r.num_samples
-    admit_args = (
-        gen_params,
-        state,
-        _sds((a, p_len), jnp.int32),
-        _sds((a, p_len), bool),
-        _sds((a * n,), jnp.int32),
-        _sds((a * n, t), jnp.float32),
-        _sds((a * n,), jnp.int32),
-    )
-    admit = engine.admit_program(n, a, p_len, t)
-    pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed)
-    chunk = engine.chunk_program(programs.sampling.static(), p_len)
-    pl.compile("generate", "decode", chunk, (gen_params, state, arrays), live=live, passed=passed)
-    per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
-    size = (
-        f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"
-    )
-    pl.notes.append(
-        f"rollout engine: {engine.slots} slots of {p_len} + {t} tokens, {engine.chunk} steps "
-        f"per chunk; its KV cache holds {size} per device"
-    )
-
-
-def _plan_score(pl, programs, held, policy_state, ref_params, value_state, rm_params):
-    """The reward model (if any), then the policy / reference / value forwards; returns the
-    abstract rollout rows and the scored arrays (in the score program's output shardings)."""
-    cfg, r = pl.cfg, programs.algo.rollout
-    rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
-    row2, row1 = programs.rows(2), programs.rows(1)
-    batch = RolloutRows(
-        tokens=_sds((rows, length), jnp.int32, row2),
-        mask=_sds((rows, length), bool, row2),
-        response_mask=_sds((rows, length), bool, row2),
-    )
-    if rm_params is not None:
-        args = (rm_params, batch.tokens, batch.mask)
-        pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
-    score_args = (
-        policy_state.params,
-        ref_params,
-        None if value_state is None else value_state.params,
-        batch,
-        _sds((rows,), jnp.float32, row1),
-        _sds((), jnp.float32, pl.replicated),
-    )
-    passed = ["policy.params", "reference.params"] + ["value.params"] * (value_state is not None)
-    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
-    scored = jax.tree.map(
-        lambda a, s: _sds(a.shape, a.dtype, s),
-        jax.eval_shape(programs.score, *score_args),
-        score.output_shardings,
-    )
-    return batch, scored
-
-
-def plan_rl(pl: Planner, layout: RunLayout) -> str:
-    """Generate (prefill, decode), score (reward, score) and the update of the run's
-    ``RLPrograms``; the shapes line."""
-    cfg = pl.cfg
-    programs, rm_model, rm_note = _rl_programs(pl, layout)
-    algo, rl = programs.algo, layout.rl
-    policy_state = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
-    ref_params = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
-    held = ["policy.params", "policy.opt", "reference.params"]
-    value_state = None
-    if programs.value is not None:
-        value_state = pl.trained(
-            "value", "scalar", programs.value.optimizer, programs.value_shardings
-        )
-        held += ["value.params", "value.opt"]
-    rm_params = None
-    if programs.reward is not None:
-        rm_params = pl.frozen("reward", rm_model, "scalar", programs.reward_shardings, rm_note)
-        held.append("reward.params")
-    _plan_generate(pl, programs, held)
-
-    batch, scored = _plan_score(
-        pl, programs, held, policy_state, ref_params, value_state, rm_params
-    )
-    # -- train: epochs x minibatches x micro-batches of every learner ------------------------
-    kl_coef = _sds((batch.tokens.shape[0],), jnp.float32, pl.replicated)
-    behaviour = None
-    if algo.loss.rollout_correction.uses_behaviour:  # the sampler's log-probs, like the tokens
-        behaviour = _sds(batch.tokens.shape, jnp.float32, batch.tokens.sharding)
-    learner_batch = LearnerBatch.of(batch, scored, kl_coef, behaviour)
-    states = (policy_state,) + (() if value_state is None else (value_state,))
-    learners = [n for n in held if n.startswith(("policy.", "value."))]
-    pl.compile(
-        "train",
-        "update",
-        programs.update,
-        (states, learner_batch, pl.key),
-        live=held,
-        passed=learners,
-    )
-    loss, r = algo.loss, algo.rollout
-    return (
-        f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
-        f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "
-        f"{loss.epochs} epoch(s) x {loss.num_minibatches} minibatch(es) x {rl.num_micro} "
-        "micro-batch(es)"
     )

@@ -12,7 +12,7 @@ from jaxrlhf.train.config import OptimizerConfig
 
 # Leaves that get weight decay: matrices and embeddings, not norm scales or biases. Matched
 # on the param's name because stacked layers make even norm scales 2-D ([L, D]).
-_DECAYED_SUFFIXES = ("kernel", "embedding", "lm_head", "score")
+_DECAYED_SUFFIXES = ("kernel", "embedding", "lm_head", "score", "lora_a", "lora_b")
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

@@ -157,7 +157,7 @@ class RolloutProducer:
         """The sampler's copy of the policy's weights at version ``step``."""
         trainer = self.trainer
         start = self.timeline.now()
-        params, stats = trainer.sampler.to_generate_layout(trainer.policy_state.params)
+        params, stats = trainer.generate_params()  # LoRA: merged adapters; Hydra: rebuilt
         if self.hold and self.shared_devices:
             # An own copy: the update donates the training buffers this may share (on other
             # devices, device_put has copied already).

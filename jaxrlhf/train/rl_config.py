@@ -41,6 +41,19 @@ class RolloutConfig:
         at once. Bounds scoring's activation memory (the float32 logits of every scored row
         are the peak for large vocabularies) at no change in results. Must divide the rows
         each data shard holds; packing needs whole prompt groups in each scoring micro-batch.
+      pack_sequences: score and train on the samples' real lengths: each data shard packs
+        the rows of a micro-batch (their real tokens only) into fewer rows of ``P + R``
+        slots, several sequences per row with block-diagonal attention and reset positions
+        (``jaxrlhf.models.packing``); with ``shared_prefix``, rows with the same prompt share
+        one copy of it where their responses fit beside it. Same math as the padded rows.
+        Considered in each phase whose micro-batches hold 2 or more rows per data shard
+        (otherwise the run logs why it is off there) and used in an iteration where it runs
+        no more slots than the rows unpacked (or in prompt groups, ``shared_prefix``). On
+        by default: RL responses mostly stop well short of ``max_new_tokens``, and by that
+        rule it never runs more model work than the unpacked path.
+      pack_buckets: packed micro-batches are sized in steps of 1/``pack_buckets`` of the
+        rows each data shard holds (rounded up), so each program compiles at most this many
+        times whatever the lengths; more steps pack tighter and compile more.
       engine: ``"static"``: the sampler decodes every row for ``max_new_tokens`` steps;
         ``"continuous"``: the rollout engine (``jaxrlhf.generation.engine``) keeps ``slots``
         rows busy, a finished sample's slot taken by the next queued prompt, and hands
@@ -59,7 +72,18 @@ class RolloutConfig:
         always finish.
       stop_strings: end a response once its decoded text contains one (engine only).
       stream_scoring: with the engine, score finished groups (reference, old policy, critic)
-        between decode chunks instead of after the last one: the same arrays, earlier.
+        between decode chunks instead of after the last one: the same arrays, earlier. Each
+        streamed batch is sequence-packed like the whole rollout (``pack_sequences``).
+      environment: multi-turn episodes (engine only): dotted path ``module.attr`` of an
+        environment class or function (``jaxrlhf.generation.environment``; the built-in tool
+        task's is ``jaxrlhf.data.tool_task.CalculatorEnv``). Each model turn goes to it; its
+        observations are appended to the sequence, out of the loss and the KL. None:
+        single-turn. ``max_new_tokens`` is then the episode's budget (model and observation
+        tokens together). Streamed scoring is off with an environment.
+      max_turns: model turns per episode at most.
+      turn_tokens: a model turn's token budget (None: the episode's).
+      env_timeout_s: an environment step that takes longer ends its episode with an error
+        observation and reward 0.
       max_staleness: asynchronous RL: the sampler produces the next batches with weights up
         to this many policy versions old while the learner trains (0: synchronous, each batch
         sampled by the policy it updates). Each sample's policy version is logged
@@ -78,6 +102,8 @@ class RolloutConfig:
     stop_at_eos: bool = True
     shared_prefix: bool = True
     score_micro_batch_size: int | None = None
+    pack_sequences: bool = True
+    pack_buckets: int = 4
     engine: str = "static"
     slots: int | None = None
     chunk_tokens: int = 16
@@ -85,18 +111,36 @@ class RolloutConfig:
     token_budget: int | None = None
     stop_strings: tuple[str, ...] = ()
     stream_scoring: bool = True
+    environment: str | None = None
+    max_turns: int = 4
+    turn_tokens: int | None = None
+    env_timeout_s: float = 30.0
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
-        if self.max_staleness and self.engine == "continuous" and self.stream_scoring:
+        if (
+            self.max_staleness
+            and self.engine == "continuous"
+            and self.stream_scoring
+            and self.environment is None  # (multi-turn episodes are never streamed)
+        ):
             raise ValueError(
                 "max_staleness: streamed scoring runs the learner's forwards while the engine "
                 "decodes; set stream_scoring: false for asynchronous RL"
             )
-        _positive(self, "prompts_per_step", "num_samples", "max_new_tokens", "chunk_tokens")
-        for name in ("score_micro_batch_size", "slots", "token_budget"):
+        _positive(
+            self,
+            "prompts_per_step",
+            "num_samples",
+            "max_new_tokens",
+            "chunk_tokens",
+            "pack_buckets",
+            "max_turns",
+            "env_timeout_s",
+        )
+        for name in ("score_micro_batch_size", "slots", "token_budget", "turn_tokens"):
             if getattr(self, name) is not None:
                 _positive(self, name)
         if self.engine not in ENGINES:
@@ -109,6 +153,7 @@ class RolloutConfig:
                     ("token_budget", self.token_budget is not None),
                     ("stop_strings", self.stop_strings),
                     ("slots", self.slots is not None),
+                    ("environment", self.environment is not None),
                 )
                 if on
             ]
@@ -264,11 +309,13 @@ class RewardConfig:
     """Where scores come from: a programmatic function or a trained reward model.
 
     Attributes:
-      function: dotted path ``module.attr`` of a reward function, or ``builtin`` for the
-        built-in task's reward. It is called as ``fn(prompts, completions, **kwargs) -> [N]
-        scores`` (decoded text, one entry per rollout row) with, as keyword arguments it
-        accepts, ``prompt_ids``, ``completion_ids`` and every other column of the prompt's
-        dataset record (e.g. ``answer``); see ``jaxrlhf.rewards.functions``.
+      function: dotted path ``module.attr`` of a reward function, ``builtin`` for the
+        built-in task's reward, or ``environment`` for the episodes' rewards (the sum of
+        what ``rollout.environment`` returned). A function is called as ``fn(prompts,
+        completions, **kwargs) -> [N] scores`` (decoded text, one entry per rollout row)
+        with, as keyword arguments it accepts, ``prompt_ids``, ``completion_ids`` and every
+        other column of the prompt's dataset record (e.g. ``answer``); see
+        ``jaxrlhf.rewards.functions``.
       model_dir: a Hugging Face reward model (``*ForSequenceClassification``, e.g. the RM
         trainer's export); used when ``function`` is null.
       normalize: whiten scores over each rollout batch (mean 0, std 1).
@@ -295,6 +342,27 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ValueConfig:
+    """The PPO critic's architecture.
+
+    Attributes:
+      branch_layer: null: a separate critic, its own copy of the whole model. An index ``B``
+        (``0 <= B < num_layers``): a Hydra critic (trlX's hydra value head with
+        ``num_layers_unfrozen = num_layers - B``): the embeddings and layers below ``B`` are
+        a frozen trunk shared by the policy and the critic, the policy trains layers ``B``
+        and up with its final norm and LM head, the critic its own copy of them with a value
+        head, and scoring runs the trunk once for the old log-probs and values. The reference
+        is the trunk plus a frozen copy of the policy's initial branch.
+    """
+
+    branch_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.branch_layer is not None and self.branch_layer < 0:
+            raise ValueError(f"branch_layer: must be >= 0 or null, got {self.branch_layer}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """``algorithm: ppo``: actor, critic, frozen reference, and a reward source.
 
@@ -306,11 +374,13 @@ class PPOConfig:
         ``reward_model`` (``reward.model_dir``); the value head starts at zero either way.
       critic_lr: the critic's learning rate (None: ``optimizer.lr``).
       whiten_advantages: normalise advantages over each rollout's response tokens.
+      value: the critic's architecture (a separate model, or a Hydra branch).
     """
 
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    value: ValueConfig = dataclasses.field(default_factory=ValueConfig)
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float | None = 0.2
@@ -327,6 +397,17 @@ class PPOConfig:
             )
         if self.critic_init == "reward_model" and self.reward.model_dir is None:
             raise ValueError("critic_init: 'reward_model' needs reward.model_dir")
+        if self.critic_init == "reward_model" and self.value.branch_layer is not None:
+            raise ValueError(
+                "critic_init: a Hydra critic (value.branch_layer) shares the policy's trunk; "
+                "it starts from the policy, not from the reward model"
+            )
+        _check_environment_reward(self.rollout, self.reward)
+
+    @property
+    def hydra(self) -> bool:
+        """Whether the critic is a Hydra branch of the policy (``value.branch_layer``)."""
+        return self.value.branch_layer is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -382,6 +463,12 @@ class GRPOConfig:
             raise ValueError(
                 "dynamic_sampling: refills sample on demand; it needs rollout.max_staleness: 0"
             )
+        _check_environment_reward(self.rollout, self.reward)
+
+
+def _check_environment_reward(rollout: RolloutConfig, reward: RewardConfig) -> None:
+    if reward.function == "environment" and rollout.environment is None:
+        raise ValueError("reward.function: 'environment' needs rollout.environment")
 
 
 # ---- sizes an RL run derives from its config and mesh (pure Python; see config.validate) ---
@@ -403,13 +490,31 @@ class GroupSizes:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackSizes:
+    """Sequence packing per phase (``rollout.pack_sequences``): the rows each data shard holds
+    in one micro-batch, which packing fits into fewer rows; 0 where the phase runs its rows
+    padded.
+
+    Attributes:
+      score: in the scoring forwards (reference, old policy, critic, reward model).
+      update: in the update's micro-batches.
+    """
+
+    score: int = 0
+    update: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RLLayout:
     """What an RL run derives from its config and training mesh (``config.validate``).
 
     Attributes:
       num_micro: gradient-accumulation micro-batches per minibatch of the update.
       score_micro: scoring forwards per rollout (``rollout.score_micro_batch_size``).
-      groups: where prompt groups are packed (:class:`GroupSizes`).
+      groups: where prompt groups are packed (:class:`GroupSizes`); with sequence packing in
+        a phase, its micro-batches still take whole groups (so rows with one prompt can
+        share it) but the forward packs sequences instead.
+      packing: where sequences are packed by their real lengths (:class:`PackSizes`).
       reuse_policy_forward: the policy's update forward stands in for the old-log-prob
         scoring forward (:func:`reuses_policy_forward`).
       reuse_value_forward: the critic's update forward stands in for the value scoring
@@ -424,6 +529,7 @@ class RLLayout:
     reuse_policy_forward: bool
     reuse_value_forward: bool
     updates: int
+    packing: PackSizes = PackSizes()
     notes: tuple[str, ...] = ()
 
 
@@ -516,6 +622,24 @@ def _group_sizes(
     return GroupSizes(score, update), tuple(notes)
 
 
+def _pack_sizes(
+    algo: PPOConfig | GRPOConfig, section: str, shards: int, num_micro: int, score_micro: int
+) -> tuple[PackSizes, tuple[str, ...]]:
+    if not algo.rollout.pack_sequences:
+        return PackSizes(), ()
+    rows = algo.rollout.rows
+    score = rows // (score_micro * shards)
+    update = rows // algo.loss.num_minibatches // (num_micro * shards)
+    option, notes = f"{section}.rollout.pack_sequences", []
+    for phase, b in (("scoring", score), ("the update", update)):
+        if b < 2:
+            notes.append(
+                f"{option} is off in {phase}: its micro-batches hold {b} row per data shard "
+                "(nothing to pack beside it)"
+            )
+    return PackSizes(score if score > 1 else 0, update if update > 1 else 0), tuple(notes)
+
+
 def rl_layout(
     algo: PPOConfig | GRPOConfig,
     *,
@@ -534,6 +658,7 @@ def rl_layout(
     num_micro = _update_micro_batches(algo, section, shards, micro_batch_size)
     score_micro = _score_micro_batches(algo, section, shards)
     groups, notes = _group_sizes(algo, section, shards, num_micro, score_micro)
+    packing, pack_notes = _pack_sizes(algo, section, shards, num_micro, score_micro)
     return RLLayout(
         num_micro=num_micro,
         score_micro=score_micro,
@@ -542,5 +667,6 @@ def rl_layout(
         reuse_value_forward=isinstance(algo, PPOConfig)
         and reuses_value_forward(algo.loss, num_micro),
         updates=iterations * algo.loss.epochs * algo.loss.num_minibatches,
-        notes=notes,
+        packing=packing,
+        notes=notes + pack_notes,
     )

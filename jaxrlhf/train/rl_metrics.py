@@ -82,9 +82,12 @@ def throughput_metrics(
 ) -> dict[str, float]:
     """Model TFLOP/s of the iteration (and MFU where the device's peak is known).
 
-    Model FLOPs (forward 2N per token, backward 4N): generation (prefill + decode), scoring
-    (one forward per scored model) and the update (policy and critic); packed prompt groups
-    run (P + nR) of every n(P + R) tokens (``rollout.shared_prefix``).
+    Model FLOPs (forward 2N per token, backward 4N) of the tokens each phase runs:
+    generation (prefill + decode), scoring (one forward per scored model) and the update
+    (policy and critic). Packed prompt groups run (P + nR) of every n(P + R) tokens
+    (``rollout.shared_prefix``); a phase that packs sequences by their real lengths runs its
+    packed slots, ``packing/score_slots`` and ``packing/update_slots`` (per epoch) in
+    ``timings`` (``rollout.pack_sequences``).
     """
     rl, algo = programs.layout.rl, programs.algo
     n_rows, total_len = rollout.tokens.shape
@@ -99,18 +102,18 @@ def throughput_metrics(
     )
     fpt = flops_per_token(programs.model)
     n = algo.rollout.num_samples  # the sampler prefills each prompt once per group
+    score_tokens = timings.get(
+        "packing/score_slots",
+        seq_tokens * shared_prefix.flops_fraction(prompt, new, rl.groups.score),
+    )
+    update_tokens = timings.get(
+        "packing/update_slots",
+        seq_tokens * shared_prefix.flops_fraction(prompt, new, rl.groups.update),
+    )
     flops = (
         fpt * seq_tokens * shared_prefix.flops_fraction(prompt, new, n)
-        + fpt
-        * seq_tokens
-        * shared_prefix.flops_fraction(prompt, new, rl.groups.score)
-        * scored_models
-        + 3
-        * fpt
-        * seq_tokens
-        * shared_prefix.flops_fraction(prompt, new, rl.groups.update)
-        * algo.loss.epochs
-        * (1 + (programs.value is not None))
+        + fpt * score_tokens * scored_models
+        + 3 * fpt * update_tokens * algo.loss.epochs * (1 + (programs.value is not None))
     )
     seconds = timings["time/iteration_s"]
     out = {"throughput/model_tflops": flops / seconds / 1e12}

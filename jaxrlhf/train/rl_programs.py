@@ -10,8 +10,12 @@ One iteration, each arrow one of these programs with its own shardings::
 
 :class:`RLPrograms` holds them; the trainer (``rl_trainer``) runs them on real arrays, the dry
 run (``dry_run_phases``) lowers and compiles the same objects against ``ShapeDtypeStruct``
-arguments. Packing prompt groups (``rollout.shared_prefix``) is decided here, by the
+arguments. Packing prompt groups (``rollout.shared_prefix``) and packing sequences by
+their real lengths (``rollout.pack_sequences``) are decided here, by the
 :class:`~jaxrlhf.models.scoring.RolloutForward` each program applies its models through.
+A sequence-packed program takes its rows' plan with the rows and the packed size as its
+last (static) argument; :class:`~jaxrlhf.train.rl_packing.PackingPlanner` makes both on
+the host (``RLPrograms.planner``), and the programs compile once per packed size.
 """
 
 from __future__ import annotations
@@ -22,27 +26,34 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf import losses
 from jaxrlhf.config import RunConfig, RunLayout, rl_section
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lora import combine
 from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.rewards.model import reward_model_scores
 from jaxrlhf.sharding import rules_for
+from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.micro_batches import map_micro
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
-from jaxrlhf.sharding.rules import Rules
+from jaxrlhf.sharding.rules import TRAIN
 from jaxrlhf.train import rl_steps, steps
-from jaxrlhf.train.optim import make_optimizer
-from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
+from jaxrlhf.train.adapters import LoraLayout
+from jaxrlhf.train.hydra_setup import HEADS as HYDRA_HEADS
+from jaxrlhf.train.hydra_setup import HydraLayout, HydraSync, hydra_forward
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout
+from jaxrlhf.train.rl_learners import LearnerSetup, learners
+from jaxrlhf.train.rl_packing import PackingPlanner
+from jaxrlhf.train.rl_scoring import Scoring, phase_forward, score_program
 from jaxrlhf.train.rl_types import RolloutRows, Scored, UpdateOutput
-from jaxrlhf.train.state import TrainState, state_shardings
+from jaxrlhf.train.state import TrainState
+from jaxrlhf.train.weight_sync import AdapterSync
 
 
 def sampling_params(
@@ -65,98 +76,6 @@ def sampling_params(
 
 
 @dataclasses.dataclass(frozen=True)
-class Scoring:
-    """The score program's pure function (static fields; call it under ``jax.jit``).
-
-    Reference log-probs always; old log-probs unless the policy's update forward stands in;
-    for PPO the critic's values, GAE advantages and returns (or only the per-token rewards
-    when the critic's update forward runs GAE); for GRPO the group advantages.
-    """
-
-    algo: PPOConfig | GRPOConfig
-    reference: RolloutForward
-    policy: RolloutForward | None  # None: reuse_policy_forward
-    value: RolloutForward | None  # None: GRPO, or reuse_value_forward
-    has_critic: bool
-    num_micro: int
-    mesh: Mesh
-    rules: Rules
-
-    def forwards(self, policy_params, ref_params, value_params, rows: RolloutRows) -> Scored:
-        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time."""
-
-        def run(r: RolloutRows) -> Scored:
-            ref, _ = self.reference.logprobs(ref_params, r.tokens, r.mask)
-            old = values = None
-            if self.policy is not None:
-                old, _ = self.policy.logprobs(policy_params, r.tokens, r.mask)
-            if self.value is not None:
-                values = self.value.values(value_params, r.tokens, r.mask)
-            return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
-
-        return map_micro(
-            run, rows, self.num_micro, self.mesh, self.rules, self.reference.group_size
-        )
-
-    def __call__(
-        self,
-        policy_params: Any,
-        ref_params: Any,
-        value_params: Any,
-        rows: RolloutRows,
-        scores: jax.Array,
-        kl_coef: jax.Array,
-    ) -> Scored:
-        """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` []."""
-        out = self.forwards(policy_params, ref_params, value_params, rows)
-        return self.advantages(out, rows.response_mask, scores, kl_coef)
-
-    def advantages(
-        self,
-        out: Scored,
-        response_mask: jax.Array,
-        scores: jax.Array,
-        kl_coef: jax.Array,
-    ) -> Scored:
-        """The forwards' ``out`` of the whole rollout completed with the advantages (and
-        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []."""
-        algo, resp = self.algo, response_mask
-        ref, old = out.ref_logprobs, out.old_logprobs
-        if self.has_critic and out.old_values is None:  # the critic's update runs GAE
-            rewards, m = rl_steps.ppo_token_rewards(
-                scores, old, ref, resp, kl_coef, loss_cfg=algo.loss
-            )
-            return out.replace(token_rewards=rewards, metrics=m)
-        if self.has_critic:
-            adv, ret, m = rl_steps.ppo_advantages(
-                scores,
-                old,
-                ref,
-                out.old_values,
-                resp,
-                kl_coef,
-                loss_cfg=algo.loss,
-                gamma=algo.gamma,
-                lam=algo.lam,
-                whiten=algo.whiten_advantages,
-            )
-            m.update(rl_steps.value_metrics(adv, ret, out.old_values, resp))
-            return out.replace(returns=ret, advantages=adv, metrics=m)
-        adv, m = rl_steps.grpo_advantages(
-            scores,
-            old,
-            ref,
-            resp,
-            kl_coef,
-            loss_cfg=algo.loss,
-            advantage=algo.advantage,
-            group_size=algo.rollout.num_samples,
-        )
-        m["advantages/abs_mean"] = losses.masked_mean(jnp.abs(adv), resp)
-        return out.replace(advantages=adv, metrics=m)
-
-
-@dataclasses.dataclass(frozen=True)
 class RLPrograms:
     """Every jitted program of an RL run and the shardings they take (module docstring).
 
@@ -172,21 +91,38 @@ class RLPrograms:
       policy_shardings, value_shardings: their TrainState shardings.
       reference_shardings: the frozen reference's parameter shardings (score rules).
       reward_shardings: the reward model's parameter shardings, or None (a function).
-      score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef) -> Scored``.
-      score_forwards: ``(policy_params, ref_params, value_params, rows) -> Scored`` of the
-        forwards alone (reference, old policy, critic) on any whole groups of rows: what
-        streaming runs on finished groups while the tail decodes.
+      score: ``(policy_params, ref_params, value_params, rows, scores, kl_coef,
+        packed_rows) -> Scored``.
+      score_forwards: ``(policy_params, ref_params, value_params, rows, packed_rows) ->
+        Scored`` of the forwards alone (reference, old policy, critic) on any whole groups of
+        rows: what streaming runs on finished groups while the tail decodes (sequence-packed
+        like ``score``, by the planner's plan of those rows).
       score_advantages: ``(forwards, response_mask, scores, kl_coef) -> Scored``: the rest
         of ``score`` once the whole rollout's forwards are in.
-      reward: ``(rm_params, tokens, mask) -> [N] scores`` of the reward model, or None.
-      update: ``(states, LearnerBatch, key) -> (states, UpdateOutput)``; the states tuple is
-        ``(policy,)`` or ``(policy, value)`` and is donated.
+      reward: ``(rm_params, tokens, mask, packing, packed_rows) -> [N] scores`` of the
+        reward model, or None.
+      update: ``(states, LearnerBatch, key, frozen, packed_rows) -> (states,
+        UpdateOutput)``; the states tuple is ``(policy,)`` or ``(policy, value)`` and is
+        donated; ``frozen`` holds each learner's frozen part (LoRA base, Hydra trunk) or
+        None, in the same order.
+      planner: the host plans of the sequence-packed programs; a program that does not
+        pack takes ``packing`` (in the rows) and ``packed_rows`` None.
+      policy_lora, value_lora: the LoRA learners' frozen/trainable layouts (``lora:``), else
+        None. A LoRA learner's TrainState holds its trainable part; the score program takes
+        its params as ``models.lora.LoraParams``.
+      sync: how a LoRA or Hydra policy reaches the sampler (``weight_sync.AdapterSync``,
+        ``hydra_setup.HydraSync``), else None (the policy's params are resharded).
+      hydra: the Hydra model's parts (``ppo.value.branch_layer``), else None; both learners'
+        frozen part is then its trunk.
+      reference_abstract: the reference's abstract params.
+      engine: the rollout engine (``rollout.engine: continuous``), else None.
       critic_mesh: ``placement.strategy: interleaved``: the critic's own mesh (its learner,
         value forward and update live there; ``update`` is then the policy's alone), else
         None.
-      score_values: interleaved: ``(value_params, rows) -> [N, T]`` values on the critic mesh.
+      score_values: interleaved: ``(value_params, rows, packed_rows) -> [N, T]`` values on
+        the critic mesh (rows sequence-packed by scoring's plan, like ``score``).
       update_value: interleaved: the critic's ``update`` on its mesh (same shuffling key,
-        same minibatches: the joint update's math).
+        same minibatches, same packing plan: the joint update's math).
     """
 
     algo: PPOConfig | GRPOConfig
@@ -206,6 +142,12 @@ class RLPrograms:
     score_advantages: Callable[..., Scored]
     reward: Callable[..., jax.Array] | None
     update: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]
+    planner: PackingPlanner
+    policy_lora: LoraLayout | None = None
+    value_lora: LoraLayout | None = None
+    sync: AdapterSync | HydraSync | None = None
+    hydra: HydraLayout | None = None
+    reference_abstract: Any = None
     engine: Engine | None = None
     critic_mesh: Mesh | None = None
     score_values: Callable[..., jax.Array] | None = None
@@ -215,9 +157,23 @@ class RLPrograms:
         """Rollout rows split over the critic mesh's data shards (``interleaved``)."""
         return steps.batch_sharding(self.critic_mesh, rules_for("value", "score"), ndim)
 
+    def put_critic_rows(self, tree: Any) -> Any:
+        """A pytree of ``[N, ...]`` rows (host or device) on the critic mesh."""
+        return jax.device_put(tree, jax.tree.map(lambda x: self.critic_rows(np.ndim(x)), tree))
+
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
         return steps.batch_sharding(self.mesh, rules_for("policy", "score"), ndim)
+
+    def put_rows(self, tree: Any) -> Any:
+        """A host pytree of ``[N, ...]`` rows on the training mesh, split like the rows."""
+        return put_global(tree, jax.tree.map(lambda x: self.rows(np.ndim(x)), tree))
+
+    def reward_scores(self, rm_params: Any, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """[N] the reward model's scores of the host rows (packed as scoring packs)."""
+        plan = self.planner.score(tokens, mask)
+        args = self.put_rows((tokens, mask, None if plan is None else plan.packing))
+        return to_host(self.reward(rm_params, *args, None if plan is None else plan.rows))
 
     @property
     def state_shardings(self) -> tuple[TrainState, ...]:
@@ -227,123 +183,92 @@ class RLPrograms:
         )
 
 
-def _learner(
-    model: ModelConfig,
-    mesh: Mesh,
-    role: str,
-    head: str,
-    optimizer_cfg: Any,
-    updates: int,
-    objective: steps.Objective,
-    max_new_tokens: int,
-) -> tuple[steps.Learner, TrainState]:
-    """The learner of ``role`` (train rules): its model applied through a RolloutForward that
-    packs the objective's ``row_group``."""
-    rules = rules_for(role, "train")
-    param_sh = param_shardings(model, mesh, rules, head)
-    optimizer, lr_fn = make_optimizer(optimizer_cfg, updates)
-    shardings = state_shardings(model_lib.abstract_params(model, head), param_sh, optimizer, mesh)
-    forward = RolloutForward(
-        build_sharded(model, mesh, rules, head), max_new_tokens, objective.row_group
-    )
-    learner = steps.Learner(objective, forward, optimizer, lr_fn, rules, param_sh)
-    return learner, shardings
-
-
-def _learners(
-    cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh, critic_mesh: Mesh
-) -> tuple[steps.Learner, TrainState, steps.Learner | None, TrainState | None]:
-    """``(policy, its state shardings, critic or None, its shardings or None)``; the critic
-    on ``critic_mesh``."""
-    algo, rl = rl_section(cfg), layout.rl
-    r, group = algo.rollout.max_new_tokens, rl.groups.update
-    policy, policy_sh = _learner(
-        model,
-        mesh,
-        "policy",
-        "lm",
-        cfg.optimizer,
-        rl.updates,
-        rl_steps.policy_objective(algo.loss, group),
-        r,
-    )
-    if not isinstance(algo, PPOConfig):
-        return policy, policy_sh, None, None
-    critic_opt = cfg.optimizer
-    if algo.critic_lr is not None:
-        critic_opt = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr)
-    gae = rl_steps.GaeConfig(algo.gamma, algo.lam, algo.whiten_advantages)
-    value, value_sh = _learner(
-        model,
-        critic_mesh,
-        "value",
-        "scalar",
-        critic_opt,
-        rl.updates,
-        rl_steps.value_objective(algo.value_clip, algo.loss.aggregation, group, gae),
-        r,
-    )
-    return policy, policy_sh, value, value_sh
-
-
 def _reward_program(
     reward_model: ModelConfig, layout: RunLayout, r: int, mesh: Mesh
 ) -> tuple[Callable[..., jax.Array], Any]:
     """The jitted reward-model scoring and the reward model's parameter shardings."""
     rm_rules, score_rules = rules_for("reward", "score"), rules_for("policy", "score")
-    forward = RolloutForward(
-        build_sharded(reward_model, mesh, rm_rules, "scalar"), r, layout.rl.groups.score
+    rl = layout.rl
+    forward = phase_forward(
+        RolloutForward(build_sharded(reward_model, mesh, rm_rules, "scalar"), r),
+        rl.groups.score,
+        rl.packing.score,
+        layout.data_shards,
     )
     params_sh = param_shardings(reward_model, mesh, rm_rules, "scalar")
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
+    rows1 = steps.batch_sharding(mesh, score_rules, 1)
     program = jax.jit(
         functools.partial(
             reward_model_scores,
             forward,
-            num_micro=layout.rl.score_micro,
+            num_micro=rl.score_micro,
             mesh=mesh,
             rules=score_rules,
+            group_size=rl.groups.score,
         ),
-        in_shardings=(params_sh, rows2, rows2),
-        out_shardings=steps.batch_sharding(mesh, score_rules, 1),
+        in_shardings=(params_sh, rows2, rows2, None),  # a plan (or None) comes placed
+        out_shardings=rows1,
+        static_argnums=4,  # packed_rows
     )
     return program, params_sh
 
 
-def _score_program(
-    scoring: Scoring,
-    cfg: RunConfig,
+def _reference(
     model: ModelConfig,
-    shardings: tuple[Any, Any, Any],
-) -> Callable[..., Scored]:
-    """``scoring`` jitted with its shardings: the three models' parameters as given, rollout
-    rows over the data shards, the scalars replicated; the outputs' per-token arrays like
-    the rows, the metrics replicated."""
-    mesh, rules = scoring.mesh, scoring.rules
-    rows2, rows1 = steps.batch_sharding(mesh, rules, 2), steps.batch_sharding(mesh, rules, 1)
-    replicated = NamedSharding(mesh, P())
-    r = scoring.algo.rollout
-    n, t = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
-    rows = RolloutRows(
-        tokens=jax.ShapeDtypeStruct((n, t), jnp.int32),
-        mask=jax.ShapeDtypeStruct((n, t), bool),
-        response_mask=jax.ShapeDtypeStruct((n, t), bool),
-    )
-    lm, critic = model_lib.abstract_params(model), model_lib.abstract_params(model, "scalar")
-    abstract = jax.eval_shape(
-        scoring,
-        lm,
-        lm,
-        critic if scoring.has_critic else None,
-        rows,
-        jax.ShapeDtypeStruct((n,), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.float32),
-    )
-    out = jax.tree.map(lambda _: rows2, abstract.replace(metrics={}))
-    return jax.jit(
-        scoring,
-        in_shardings=(*shardings, RolloutRows(rows2, rows2, rows2), rows1, replicated),
-        out_shardings=out.replace(metrics=replicated),
+    mesh: Mesh,
+    policy: LearnerSetup,
+    hydra: HydraLayout | None,
+    r: int,
+) -> tuple[RolloutForward, Any, Any]:
+    """``(forward, shardings, abstract params)`` of the frozen reference: the plain model
+    (with LoRA: the policy's own base), or for a Hydra critic the trunk with a frozen copy of
+    the policy's initial branch."""
+    rules = rules_for("reference", "score")
+    if hydra is not None:
+        forward = hydra_forward(model, mesh, rules, hydra.branch_layer, ("lm",), r, 1)
+        shardings = combine(hydra.trunk_shardings, hydra.policy_shardings)
+        return forward, shardings, combine(hydra.trunk, hydra.policy)
+    forward = RolloutForward(build_sharded(model, mesh, rules, "lm"), r)
+    if policy.lora is not None:
+        return forward, policy.lora.frozen_shardings, policy.lora.frozen
+    return forward, param_shardings(model, mesh, rules), model_lib.abstract_params(model)
+
+
+def _scoring(
+    algo: PPOConfig | GRPOConfig,
+    rl: RLLayout,
+    reference: RolloutForward,
+    policy: steps.Learner,
+    value: steps.Learner | None,
+    joint: RolloutForward | None,
+    mesh: Mesh,
+    shards: int,
+    critic_apart: bool = False,
+) -> Scoring:
+    """The score program's function: every forward packs scoring's prompt groups, or its
+    sequences (``rl.packing.score`` rows per shard of ``shards``). Old log-probs and values
+    come from the learners' own (train-rule) modules, so the first minibatch's forward is
+    the scoring forward's computation (its ratio is 1). ``critic_apart``: the critic's values
+    are scored on its own mesh (``interleaved``), not here."""
+    group = rl.groups.score
+
+    def scoring(forward: RolloutForward | None) -> RolloutForward | None:
+        return None if forward is None else phase_forward(forward, group, rl.packing.score, shards)
+
+    return Scoring(
+        algo=algo,
+        reference=scoring(reference),
+        policy=None if rl.reuse_policy_forward else scoring(policy.module),
+        value=None
+        if value is None or rl.reuse_value_forward or critic_apart
+        else scoring(value.module),
+        has_critic=value is not None,
+        num_micro=rl.score_micro,
+        row_group=group,
+        mesh=mesh,
+        rules=rules_for("policy", "score"),
+        joint=scoring(joint),
     )
 
 
@@ -372,59 +297,47 @@ def build_rl_programs(
       critic_mesh: the critic's own mesh (``interleaved``); None: ``mesh``.
     """
     algo, rl = rl_section(cfg), layout.rl
-    r, groups = algo.rollout.max_new_tokens, rl.groups
+    r = algo.rollout.max_new_tokens
     apart = critic_mesh is not None
-    policy, policy_sh, value, value_sh = _learners(cfg, layout, model, mesh, critic_mesh or mesh)
+    policy_setup, value_setup, hydra = learners(cfg, layout, model, mesh, critic_mesh)
+    if apart and hydra is not None:
+        raise ValueError("placement.strategy: interleaved cannot split a Hydra critic's trunk")
+    policy, policy_sh = policy_setup.learner, policy_setup.shardings
+    value = None if value_setup is None else value_setup.learner
+    value_sh = None if value_setup is None else value_setup.shardings
     score_rules = rules_for("policy", "score")
-    # Old log-probs and values come from the learners' own (train-rule) modules, so the first
-    # minibatch's forward is the scoring forward's computation (its ratio is 1).
-    scoring = Scoring(
-        algo=algo,
-        reference=RolloutForward(
-            build_sharded(model, mesh, rules_for("reference", "score"), "lm"), r, groups.score
-        ),
-        policy=None
-        if rl.reuse_policy_forward
-        else dataclasses.replace(policy.module, group_size=groups.score),
-        value=None
-        if value is None or rl.reuse_value_forward or apart
-        else dataclasses.replace(value.module, group_size=groups.score),
-        has_critic=value is not None,
-        num_micro=rl.score_micro,
-        mesh=mesh,
-        rules=score_rules,
-    )
+    reference, ref_sh, ref_abstract = _reference(model, mesh, policy_setup, hydra, r)
+    joint = None
+    if hydra is not None:
+        joint = hydra_forward(model, mesh, TRAIN, hydra.branch_layer, HYDRA_HEADS, r, 1)
+    scoring = _scoring(algo, rl, reference, policy, value, joint, mesh, layout.data_shards, apart)
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
-    together = value is not None and not apart
-    learners = (policy,) + ((value,) if together else ())
-    state_sh = (policy_sh,) + ((value_sh,) if together else ())
-    update = _update_program(algo, rl, learners, state_sh, mesh)
+    together = value_setup is not None and not apart
+    setups = (policy_setup,) + ((value_setup,) if together else ())
+    update = _update_program(algo, rl, setups, mesh)
     score_values = update_value = None
     if apart:
-        critic_rows2 = steps.batch_sharding(critic_mesh, rules_for("value", "score"), 2)
-        forward = dataclasses.replace(value.module, group_size=groups.score)
-        score_values = jax.jit(
-            lambda params, rows: map_micro(
-                lambda r: forward.values(params, r.tokens, r.mask),
-                rows,
-                rl.score_micro,
-                critic_mesh,
-                rules_for("value", "score"),
-                groups.score,
-            ),
-            in_shardings=(value_sh.params, RolloutRows(*(critic_rows2,) * 3)),
-            out_shardings=critic_rows2,
-        )
-        update_value = _update_program(algo, rl, (value,), (value_sh,), critic_mesh)
+        score_values = _values_program(rl, value_setup, critic_mesh, layout.data_shards)
+        update_value = _update_program(algo, rl, (value_setup,), critic_mesh)
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
-    params_sh = (
-        policy_sh.params,
-        param_shardings(model, mesh, rules_for("reference", "score")),
-        None if value_sh is None or apart else value_sh.params,
+    model_sh = (
+        policy_setup.model_shardings,
+        ref_sh,
+        None if value_setup is None or apart else value_setup.model_shardings,
+    )
+    abstract_models = (
+        policy_setup.abstract_model,
+        ref_abstract,
+        None if value_setup is None else value_setup.abstract_model,
     )
     sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
+    sync = None
+    if policy_setup.lora is not None:
+        sync = AdapterSync.build(policy_setup.lora, sampler, cfg.lora.sync)
+    elif hydra is not None:
+        sync = HydraSync.build(hydra, sampler)
     return RLPrograms(
         algo=algo,
         layout=layout,
@@ -436,17 +349,24 @@ def build_rl_programs(
         value=value,
         policy_shardings=policy_sh,
         value_shardings=value_sh,
-        reference_shardings=param_shardings(model, mesh, rules_for("reference", "score")),
+        reference_shardings=ref_sh,
         reward_shardings=reward_sh,
-        score=_score_program(scoring, cfg, model, params_sh),
+        score=score_program(scoring, cfg, model_sh, abstract_models),
         score_forwards=jax.jit(
             scoring.forwards,
-            in_shardings=(*params_sh, RolloutRows(rows2, rows2, rows2)),
+            in_shardings=(*model_sh, RolloutRows(rows2, rows2, rows2, None)),
             out_shardings=rows2,
+            static_argnums=4,  # packed_rows
         ),
         score_advantages=jax.jit(scoring.advantages),
         reward=reward,
         update=update,
+        planner=PackingPlanner.of(algo, rl, layout.data_shards, cfg.data.max_prompt_length),
+        policy_lora=policy_setup.lora,
+        value_lora=None if value_setup is None else value_setup.lora,
+        sync=sync,
+        hydra=hydra,
+        reference_abstract=ref_abstract,
         engine=_engine(algo, sampler),
         critic_mesh=critic_mesh,
         score_values=score_values,
@@ -456,26 +376,57 @@ def build_rl_programs(
 
 def _update_program(
     algo: PPOConfig | GRPOConfig,
-    rl: Any,
-    learners: tuple[steps.Learner, ...],
-    state_sh: tuple[TrainState, ...],
+    rl: RLLayout,
+    setups: tuple[LearnerSetup, ...],
     mesh: Mesh,
 ) -> Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]:
-    """The jitted ``rl_update`` of ``learners`` on ``mesh``, their states donated."""
+    """The jitted ``rl_update`` of ``setups``' learners on ``mesh``: ``(states, batch, key,
+    frozen, packed_rows)``, the states donated."""
     replicated = NamedSharding(mesh, P())
     rows2 = steps.batch_sharding(mesh, rules_for("policy", "score"), 2)
+    state_sh = tuple(s.shardings for s in setups)
+    frozen_sh = tuple(s.frozen_shardings for s in setups)
     return jax.jit(
         functools.partial(
             rl_steps.rl_update,
-            learners=learners,
+            learners=tuple(s.learner for s in setups),
             epochs=algo.loss.epochs,
             num_minibatches=algo.loss.num_minibatches,
             num_micro=rl.num_micro,
             mesh=mesh,
         ),
-        in_shardings=(state_sh, None, replicated),
+        in_shardings=(state_sh, None, replicated, frozen_sh),
         out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
         donate_argnums=0,  # the old states' buffers are reused for the new ones
+        static_argnums=4,  # packed_rows
+    )
+
+
+def _values_program(
+    rl: RLLayout, critic: LearnerSetup, mesh: Mesh, shards: int
+) -> Callable[..., jax.Array]:
+    """``interleaved``: the critic's scoring forward on its own mesh, ``(value_params, rows,
+    packed_rows) -> [N, T]`` values (sequence-packed like scoring's forwards)."""
+    rules = rules_for("value", "score")
+    forward = phase_forward(critic.learner.module, rl.groups.score, rl.packing.score, shards)
+    rows2 = steps.batch_sharding(mesh, rules, 2)
+
+    def values(params: Any, rows: RolloutRows, packed_rows: int | None = None) -> jax.Array:
+        f = forward.with_packed_rows(packed_rows)
+        return map_micro(
+            lambda r: f.values(params, r.tokens, r.mask, r.packing),
+            rows,
+            rl.score_micro,
+            mesh,
+            rules,
+            rl.groups.score,
+        )
+
+    return jax.jit(
+        values,
+        in_shardings=(critic.model_shardings, RolloutRows(rows2, rows2, rows2, None)),
+        out_shardings=rows2,
+        static_argnums=2,  # packed_rows
     )
 
 

@@ -64,7 +64,7 @@ def policy_loss(
     (``kl/seq_mean``, ``kl/token_mean``, which scoring reports otherwise) and the outputs the
     per-token log-probs.
     """
-    logp, entropy = forward.logprobs(params, batch.tokens, batch.mask)
+    logp, entropy = forward.logprobs(params, batch.tokens, batch.mask, batch.packing)
     resp = batch.response_mask
     norm = _norm_constant(cfg, batch, forward.max_new_tokens)
     reused = batch.old_logprobs is None
@@ -150,7 +150,7 @@ def value_loss(
     update) and the metrics the scalars scoring reports otherwise.
     """
     resp = batch.response_mask
-    values = forward.values(params, batch.tokens, batch.mask)
+    values = forward.values(params, batch.tokens, batch.mask, batch.packing)
     extra: Metrics = {}
     outputs = None
     if batch.old_values is not None:
@@ -375,10 +375,20 @@ def _prefixed(role: str, metrics: Metrics) -> Metrics:
     }
 
 
+def epoch_row_order(key: jax.Array, rows: int, group_size: int) -> jax.Array:
+    """[rows] the order an epoch of several minibatches visits the rows: a permutation of
+    whole groups of ``group_size`` consecutive rows. The host plan of a packed update
+    (``train.rl_packing``) evaluates the same function on the same keys."""
+    perm = jax.random.permutation(key, rows // group_size)
+    return (perm[:, None] * group_size + jnp.arange(group_size)).reshape(rows)
+
+
 def rl_update(
     states: tuple[TrainState, ...],
     batch: LearnerBatch,
     key: jax.Array,
+    frozen: tuple[Any, ...] | None = None,
+    packed_rows: int | None = None,
     *,
     learners: tuple[steps.Learner, ...],
     epochs: int,
@@ -390,8 +400,14 @@ def rl_update(
 
     Args:
       states: one TrainState per learner (donate them).
-      batch: the rollout's ``[N, ...]`` rows with their scores.
-      key: shuffling key.
+      batch: the rollout's ``[N, ...]`` rows with their scores; with ``packing`` ([N, E]),
+        epoch ``e``'s minibatches carry column ``e`` of it.
+      key: shuffling key (and LoRA dropout's).
+      frozen: each learner's frozen base (LoRA; see ``steps.Learner.combine``) or None, in
+        the order of ``states``; None: no learner has one.
+      packed_rows: with sequence packing (the learners' forwards pack, ``batch.packing``
+        set), the packed rows per shard of every micro-batch (static: one compile per
+        size); None otherwise.
       learners: static description of each learner, matching ``states``; their objectives'
         ``row_group`` (the packing of prompt groups) must agree: shuffling permutes whole
         groups and micro-batches take whole groups.
@@ -413,11 +429,18 @@ def rl_update(
             f"micro-batch, got {epochs} epoch(s) x {num_minibatches} minibatch(es) x "
             f"{num_micro} micro-batch(es)"
         )
+    if (packed_rows is None) != (batch.packing is None):
+        raise ValueError("a packed update needs both the batch's packing plan and packed_rows")
     group_sizes = {learner.objective.row_group for learner in learners}
     if len(group_sizes) > 1:
         raise ValueError(f"the learners pack prompt groups differently: {sorted(group_sizes)}")
     group_size = group_sizes.pop()
     rules = learners[0].rules
+    frozen = (None,) * len(learners) if frozen is None else frozen
+    learners = tuple(
+        dataclasses.replace(learner, module=learner.module.with_packed_rows(packed_rows))
+        for learner in learners
+    )
     # The critic first: without scored advantages, its loss computes them for the policy
     # (what the batch lacks joins the batch of the learners after).
     order = sorted(range(len(learners)), key=lambda i: learners[i].objective.role != "value")
@@ -427,7 +450,13 @@ def rl_update(
         for i in order:
             learner = learners[i]
             new_states[i], m, outputs = steps.train_step(
-                states[i], minibatch, key, learner=learner, num_micro=num_micro, mesh=mesh
+                states[i],
+                minibatch,
+                key,
+                learner=learner,
+                num_micro=num_micro,
+                mesh=mesh,
+                frozen=frozen[i],
             )
             if outputs is not None:
                 minibatch = outputs.fill(minibatch)
@@ -435,18 +464,21 @@ def rl_update(
             metrics.update(_prefixed(learner.objective.role, m))
         return tuple(new_states), (metrics, produced)
 
-    def epoch(states, epoch_key):
+    def epoch(states, xs):
+        epoch_key, index = xs
+        rows = batch
+        if batch.packing is not None:  # this epoch's plan
+            rows = batch.replace(packing=jax.tree.map(lambda x: x[:, index], batch.packing))
         if num_minibatches > 1:
-            rows = batch.tokens.shape[0]
-            perm = jax.random.permutation(epoch_key, rows // group_size)  # whole groups
-            perm = (perm[:, None] * group_size + jnp.arange(group_size)).reshape(rows)
-            shuffled = jax.tree.map(lambda x: x[perm], batch)
+            perm = epoch_row_order(epoch_key, rows.tokens.shape[0], group_size)
+            shuffled = jax.tree.map(lambda x: x[perm], rows)
             minibatches = split_micro(shuffled, num_minibatches, mesh, rules, group_size)
         else:  # one minibatch: no shuffle needed, keep the rollout's row order
-            minibatches = jax.tree.map(lambda x: x[None], batch)
+            minibatches = jax.tree.map(lambda x: x[None], rows)
         return jax.lax.scan(minibatch_step, states, minibatches)
 
-    states, (metrics, produced) = jax.lax.scan(epoch, states, jax.random.split(key, epochs))
+    xs = (jax.random.split(key, epochs), jnp.arange(epochs))
+    states, (metrics, produced) = jax.lax.scan(epoch, states, xs)
     outputs = jax.tree.map(lambda x: x[0, 0], produced)
     out = {k: v.sum() if k.endswith("skipped") else v.mean() for k, v in metrics.items()}
     for k in ("policy/ratio_mean", "policy/ratio_max", "policy/approx_kl", "policy/clip_frac"):

@@ -10,6 +10,11 @@ reward model) and the scoring forwards (reference, old policy, critic:
 whole rollout, so they run after the last piece (``RLPrograms.score_advantages``), exactly as
 the unstreamed ``score`` program runs them: the update sees the same arrays either way, up
 to float32 rounding of forwards computed in other batch shapes.
+
+Sequence packing (``rollout.pack_sequences``) applies here too: each micro-batch's rows are
+finished, so their real lengths are known when it is scored; the planner packs it as it
+would the whole rollout (``PackingPlanner.score``, its sizes in steps of this micro-batch's
+rows), or leaves it unpacked where packing would run more slots.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.generation.engine import Finished
 from jaxrlhf.generation.sampler import SampleOutput
-from jaxrlhf.sharding.distributed import put_global
+from jaxrlhf.generation.slots import Finished
+from jaxrlhf.train.rl_packing import PhasePlan, streamed_score_metrics
 from jaxrlhf.train.rl_types import RolloutRows, Scored
 
 
@@ -67,6 +72,8 @@ class StreamedScoring:
         self.rows: list[np.ndarray] = []  # each scored micro-batch's rows (padding: -1)
         self.forwards: list[Scored] = []
         self.scores: dict[int, tuple[float, float | None]] = {}  # row -> (raw, task)
+        self.plans: list[PhasePlan | None] = []  # each micro-batch's packing (None: unpacked)
+        self.unpacked: list[tuple[float, float]] = []  # its (slots, tokens) unpacked
         self.seconds = 0.0
 
     def add(self, finished: Finished) -> None:
@@ -101,19 +108,29 @@ class StreamedScoring:
         for i, row in enumerate(rows[rows >= 0]):
             self.scores[int(row)] = (float(raw[i]), None if task is None else float(task[i]))
         response = np.concatenate([np.zeros_like(out.prompt_mask), out.response_mask], axis=1)
-        device_rows = RolloutRows(tokens=tokens, mask=mask, response_mask=response)
         programs = trainer.programs
-        device_rows = put_global(device_rows, jax.tree.map(lambda _: programs.rows(2), device_rows))
+        plan = programs.planner.score(tokens, mask)
+        self.plans.append(plan)
+        self.unpacked.append(programs.planner.unpacked_score_pass(mask))
+        device_rows = RolloutRows(
+            tokens=tokens, mask=mask, response_mask=response, packing=plan and plan.packing
+        )
         self.forwards.append(
             programs.score_forwards(
-                trainer.policy_state.params,
+                trainer.policy_params,
                 trainer.ref_params,
-                None if trainer.value_state is None else trainer.value_state.params,
-                device_rows,
+                # interleaved: the critic's values are scored on its mesh after the rollout
+                None if programs.critic_mesh is not None else trainer.value_params,
+                programs.put_rows(device_rows),
+                plan and plan.rows,
             )
         )
         self.rows.append(rows)
         self.seconds += time.perf_counter() - start
+
+    def packing_metrics(self) -> dict[str, float]:
+        """``packing/score_*`` of the streamed micro-batches (empty when none packed)."""
+        return streamed_score_metrics(self.plans, self.unpacked)
 
     def result(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, Scored]:
         """``(raw scores [N], task scores [N] or None, forwards [N, T])`` of ``rows`` (the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -35,12 +36,18 @@ from jaxrlhf.data import BatchIterator, TokenizedDataset, load_datasets, load_to
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tokenizer import Tokenizer
 from jaxrlhf.generation import SampleOutput
+from jaxrlhf.generation.environment import (
+    EnvError,
+    EnvFactory,
+    EpisodeConfig,
+    Episodes,
+    observation_ids,
+    resolve_environment,
+)
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.hf_checkpoint import load_params, save_hf
-from jaxrlhf.models.hf_config import checkpoint_head, load_hf_config
-from jaxrlhf.models.safetensors_io import CheckpointError
+from jaxrlhf.models.hf_checkpoint import save_hf
 from jaxrlhf.rewards import (
     RewardFn,
     call_reward_fn,
@@ -50,15 +57,23 @@ from jaxrlhf.rewards import (
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
-from jaxrlhf.train import rl_metrics
+from jaxrlhf.train import rl_metrics, rl_packing
+from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
-from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
+from jaxrlhf.train.hydra_setup import plain_policy
+from jaxrlhf.train.model_setup import model_with_tokenizer_ids
 from jaxrlhf.train.rl_async import RolloutProducer, check_concurrency
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
+from jaxrlhf.train.rl_setup import (
+    initial_states,
+    kl_controller,
+    reward_model_config,
+    reward_model_params,
+)
 from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
-from jaxrlhf.train.state import TrainState, init_state
+from jaxrlhf.train.state import TrainState
 from jaxrlhf.train.timeline import Timeline
 from jaxrlhf.train.trainable import StepOutput
 
@@ -79,10 +94,15 @@ class RLTrainer:
       policy_state, value_state: the learners' states (value None for GRPO).
       ref_params, rm_params: the frozen reference and reward model (rm None: a function).
       kl_state: the KL controller.
+      policy_frozen, value_frozen: the LoRA learners' frozen bases (``lora:``), else None;
+        the reference is then ``policy_frozen`` itself.
+      sampler_base: with ``lora.sync: adapters``, the policy's base in the sampler's layout,
+        resident for the whole run (``weight_sync.AdapterSync``); else None.
       key: the run's PRNG key (each iteration folds in ``steps_done``).
       steps_done: iterations done.
       last_scored: the last iteration's scored arrays, with what the update's forwards
         computed in place of scoring filled in (for inspection: tests, notebooks).
+      env_factory: ``rollout.environment``'s factory (multi-turn episodes), or None.
       timeline: when each phase ran on which devices (``jaxrlhf.train.timeline``).
       producer: launches the rollouts, ahead of the learner with ``rollout.max_staleness``
         (``jaxrlhf.train.rl_async``).
@@ -100,8 +120,12 @@ class RLTrainer:
     rm_params: Any | None
     kl_state: losses.AdaptiveKLState | losses.FixedKL
     key: jax.Array
+    policy_frozen: Any = None
+    value_frozen: Any = None
+    sampler_base: Any = None
     steps_done: int = 0
     last_scored: Scored | None = None
+    env_factory: EnvFactory | None = None
     timeline: Timeline | None = None
     producer: RolloutProducer | None = None
 
@@ -151,15 +175,44 @@ class RLTrainer:
     def dataset(self) -> TokenizedDataset:
         return self.prompts.dataset
 
+    @property
+    def policy_params(self) -> Any:
+        """The policy as its forwards apply it: the state's params, or combined with its
+        frozen part (LoRA: a ``LoraParams``; Hydra: the trunk and the policy branch)."""
+        return self.programs.policy.model_params(self.policy_state.params, self.policy_frozen)
+
+    @property
+    def value_params(self) -> Any:
+        """The critic as its forwards apply it (as :attr:`policy_params`), or None."""
+        if self.value_state is None:
+            return None
+        return self.programs.value.model_params(self.value_state.params, self.value_frozen)
+
     def describe(self) -> str:
         """One line for the log: parameters, meshes, rollout size."""
         sampler_mesh = self.sampler.mesh
         placed = "" if sampler_mesh is self.mesh else f" (sampler: {dict(sampler_mesh.shape)})"
+        trained = model_lib.param_count(self.policy_state.params)
+        size = f"{trained:,} policy parameters"
+        if self.programs.hydra is not None:
+            size += (
+                f" trained above a frozen trunk of {model_lib.param_count(self.policy_frozen):,}"
+            )
+        elif self.policy_frozen is not None:
+            total = trained + model_lib.param_count(self.policy_frozen)
+            size = f"{trained:,} trained (LoRA) of {total:,} policy parameters"
         return (
-            f"{self.cfg.algorithm}: {model_lib.param_count(self.policy_state.params):,} policy "
-            f"parameters, mesh {dict(self.mesh.shape)}{placed}, "
+            f"{self.cfg.algorithm}: {size}, mesh {dict(self.mesh.shape)}{placed}, "
             f"{self.algo.rollout.rows} rollout rows per iteration"
         )
+
+    def generate_params(self) -> tuple[Any, Any]:
+        """The policy in the sampler's layout and the reshard's stats: the whole policy
+        resharded, or with LoRA the merged adapters (``weight_sync``)."""
+        sync = self.programs.sync
+        if sync is None:
+            return self.sampler.to_generate_layout(self.policy_state.params)
+        return sync.generate_params(self.policy_frozen, self.sampler_base, self.policy_state.params)
 
     # ---- one iteration -----------------------------------------------------------------
 
@@ -173,7 +226,7 @@ class RLTrainer:
         """:meth:`rollout`, and the scoring forwards when the engine streamed them."""
         host_prompts = next(self.prompts)
         start = time.perf_counter()
-        gen_params, stats = self.sampler.to_generate_layout(self.policy_state.params)
+        gen_params, stats = self.generate_params()
         timings = {
             "time/reshard_s": time.perf_counter() - start,
             "reshard/bytes_moved": float(stats.bytes_moved),
@@ -218,7 +271,7 @@ class RLTrainer:
         forwards, computed between decode chunks."""
         r, programs = self.algo.rollout, self.programs
         stream = None
-        if r.stream_scoring:
+        if r.stream_scoring and self.env_factory is None:
             shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
             micro = stream_rows(r.rows, r.num_samples, shards)
             stream = StreamedScoring(self, prompts, micro)
@@ -234,6 +287,7 @@ class RLTrainer:
             stop_strings=r.stop_strings,
             decode=self.tokenizer.decode,
             on_finished=None if stream is None else stream.add,
+            environments=self._episodes(prompts),
         )
         del gen_params
         if stream is not None:
@@ -243,6 +297,10 @@ class RLTrainer:
         timings["rollout/decoded_tokens"] = float(out.generated_tokens)
         timings["rollout/decode_chunks"] = float(out.chunks)
         start = time.perf_counter()
+        if self.env_factory is not None:
+            rollout = self._episode_rollout(out, prompts, timings)
+            timings["time/reward_s"] = time.perf_counter() - start
+            return rollout, timings, None
         rows = out.finished.rows
         sample = with_prompts(out.finished, prompts, r.num_samples)
         forwards = None
@@ -254,10 +312,78 @@ class RLTrainer:
         else:
             scores, task_scores, forwards = stream.result(rows)
             timings["time/score_streamed_s"] = stream.seconds
+            timings.update(stream.packing_metrics())
             timings["time/generate_s"] -= stream.seconds
         rollout = self._as_rollout(sample, scores, task_scores)
         timings["time/reward_s"] = time.perf_counter() - start
         return rollout, timings, forwards
+
+    def _episodes(self, prompts: dict[str, np.ndarray]) -> Episodes | None:
+        """The iteration's multi-turn episodes (None: single-turn): each prompt's dataset
+        record (with its ``prompt`` text) goes to its environments."""
+        if self.env_factory is None:
+            return None
+        r = self.algo.rollout
+        columns = self.dataset.columns(prompts["index"])
+        records = [{k: v[i] for k, v in columns.items()} for i in range(len(prompts["index"]))]
+        for record, tokens, mask in zip(records, prompts["tokens"], prompts["mask"], strict=True):
+            record.setdefault("prompt", self.tokenizer.decode(tokens[mask]))
+        return Episodes(
+            self.env_factory,
+            records,
+            EpisodeConfig(r.max_turns, r.turn_tokens, r.env_timeout_s),
+            functools.partial(observation_ids, self.tokenizer),
+            self.tokenizer.decode,
+        )
+
+    def _episode_rollout(self, out: Any, prompts: dict[str, np.ndarray], timings: dict) -> Rollout:
+        """The engine's finished episodes as a Rollout: observation tokens in ``mask`` but not
+        in ``response_mask`` (out of the loss and the KL), behaviour log-probs 0 there; the
+        episodes' rewards as scores (``reward.function: environment``) or the reward
+        function's on the whole response text (observations included)."""
+        f, r = out.finished, self.algo.rollout
+        prompt = f.rows // r.num_samples
+        p_tokens, p_mask = prompts["tokens"][prompt], prompts["mask"][prompt]
+        if self.algo.reward.function == "environment":
+            scores = f.rewards
+        else:
+            texts = [
+                self.tokenizer.decode(t[m]) for t, m in zip(f.tokens, f.sequence_mask, strict=True)
+            ]
+            _, scores = self.row_scores(
+                with_prompts(f, prompts, r.num_samples),
+                np.concatenate([p_tokens, f.tokens], 1),
+                np.concatenate([p_mask, f.sequence_mask], 1),
+                prompts["index"][prompt],
+                completions=texts,
+            )
+        scores = scores - overlong_penalty(
+            f.lengths,
+            f.stopped,
+            r.max_new_tokens,
+            self.algo.reward.overlong_buffer,
+            self.algo.reward.overlong_penalty,
+        )
+        timings["env/turns_mean"] = float(f.turns.mean())
+        timings["env/tool_use_rate"] = float((f.observations > 0).mean())
+        timings["env/observations_mean"] = float(f.observations.mean())
+        timings["env/errors"] = float(f.errors.sum())
+        timings["env/reward_mean"] = float(f.rewards.mean())
+        names = sorted({k for info in out.episode_info.values() for k in info})
+        for name in names:
+            values = [info.get(name, 0.0) for info in out.episode_info.values()]
+            timings[f"env/{name}_mean"] = float(np.mean(values))
+        zeros = np.zeros(p_mask.shape, np.float32)
+        return Rollout(
+            tokens=np.concatenate([p_tokens, f.tokens], 1).astype(np.int32),
+            mask=np.concatenate([p_mask, f.sequence_mask], 1),
+            response_mask=np.concatenate([np.zeros_like(p_mask), f.response_mask], 1),
+            lengths=f.lengths,
+            stopped=f.stopped,
+            sampler_logprobs=np.concatenate([zeros, f.model_logprobs], 1),
+            scores=np.asarray(scores, np.float32),
+            task_scores=f.rewards if self.task_fn is not None else None,
+        )
 
     def _as_rollout(
         self, out: SampleOutput, scores: np.ndarray, task_scores: np.ndarray | None
@@ -287,28 +413,31 @@ class RLTrainer:
         )
 
     def row_scores(
-        self, out: SampleOutput, tokens: np.ndarray, mask: np.ndarray, index: np.ndarray
+        self,
+        out: SampleOutput,
+        tokens: np.ndarray,
+        mask: np.ndarray,
+        index: np.ndarray,
+        completions: list[str] | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """``(task scores or None, raw scores)`` of the rows: the reward function's on the
         decoded text (the built-in task's, when it is the reward, counts as both) or the
         reward model's."""
         if self.reward_fn is None and self.task_fn is None:
-            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
-            return None, to_host(self.programs.reward(self.rm_params, *rows))
+            return None, self.programs.reward_scores(self.rm_params, tokens, mask)
         data = self.cfg.data
         prompt_ids = [t[m] for t, m in zip(out.prompt_tokens, out.prompt_mask, strict=True)]
         completion_ids = [t[m] for t, m in zip(out.tokens, out.response_mask, strict=True)]
         texts = dict(
             prompts=[self.tokenizer.decode(ids) for ids in prompt_ids],
-            completions=[self.tokenizer.decode(ids) for ids in completion_ids],
+            completions=completions or [self.tokenizer.decode(ids) for ids in completion_ids],
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
             columns=self.dataset.columns(index, exclude=(data.prompt_key, data.messages_key)),
         )
         task = None if self.task_fn is None else call_reward_fn(self.task_fn, **texts)
         if self.reward_fn is None:  # a reward model drives RL; the task reward is logged
-            rows = put_global((tokens, mask), (self.programs.rows(2), self.programs.rows(2)))
-            return task, to_host(self.programs.reward(self.rm_params, *rows))
+            return task, self.programs.reward_scores(self.rm_params, tokens, mask)
         if self.reward_fn is self.task_fn:
             return task, task
         return task, call_reward_fn(self.reward_fn, **texts)
@@ -376,27 +505,32 @@ class RLTrainer:
         ``forwards``: the rollout's scoring forwards, already computed (streamed while the
         engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
-        self._check_groups(rollout)
         programs = self.programs
         start, t_score = time.perf_counter(), self.timeline.now()
-        rows = put_global(
-            rollout.device_rows, jax.tree.map(lambda x: programs.rows(2), rollout.device_rows)
-        )
+        # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
+        # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
+        plan = None
+        if forwards is None:
+            plan = programs.planner.score(rollout.tokens, rollout.mask)
+        update_plan = programs.planner.update(rollout.tokens, rollout.mask, key)
+        self._check_groups(rollout, plan is None, update_plan is None)
+        rows = programs.put_rows(rollout.device_rows.replace(packing=plan and plan.packing))
         shaped = shape_scores(
             rollout.scores, normalize=self.algo.reward.normalize, clip=self.algo.reward.clip
         )
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
         scores = put_global(shaped, programs.rows(1))
         if programs.critic_mesh is not None:
-            scored = self._score_interleaved(rows, rollout, scores, kl_coef)
+            scored = self._score_interleaved(rows, scores, kl_coef, plan, forwards)
         elif forwards is None:
             scored = programs.score(
-                self.policy_state.params,
+                self.policy_params,
                 self.ref_params,
-                None if self.value_state is None else self.value_state.params,
+                self.value_params,
                 rows,
                 scores,
                 kl_coef,
+                plan and plan.rows,
             )
         else:
             scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
@@ -410,13 +544,19 @@ class RLTrainer:
         if self.algo.loss.rollout_correction.uses_behaviour:
             behaviour = put_global(np.asarray(rollout.sampler_logprobs), programs.rows(2))
         batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef), behaviour)
+        if update_plan is not None:
+            batch = batch.replace(packing=programs.put_rows(update_plan.packing))
+        packed_rows = update_plan and update_plan.rows
         if programs.critic_mesh is not None:
-            update, update_metrics = self._update_interleaved(batch, key)
+            update, update_metrics = self._update_interleaved(batch, key, packed_rows)
         else:
             states = (self.policy_state,) + (
                 () if self.value_state is None else (self.value_state,)
             )
-            states, update = programs.update(states, batch, key)
+            frozen = (self.policy_frozen,) + (
+                () if self.value_state is None else (self.value_frozen,)
+            )
+            states, update = programs.update(states, batch, key, frozen, packed_rows)
             self.policy_state = states[0]
             if self.value_state is not None:
                 self.value_state = states[1]
@@ -432,60 +572,73 @@ class RLTrainer:
         )
         metrics = {k: float(v) for k, v in update_metrics.items()}
         metrics.update({k: float(v) for k, v in to_host(scored.metrics).items()})
+        metrics.update(rl_packing.plan_metrics(plan, update_plan))
         metrics.update(timings)
         return metrics
 
     def _score_interleaved(
-        self, rows: Any, rollout: Rollout, scores: jax.Array, kl_coef: jax.Array
+        self,
+        rows: Any,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+        plan: Any,
+        forwards: Scored | None,
     ) -> Scored:
         """``interleaved``: the reference and old-policy forwards on the learner's devices
-        while the critic's value forward runs on its own; the values then join the
-        advantages (GAE) on the learner's."""
+        (or those the engine streamed) while the critic's value forward runs on its own;
+        the values then join the advantages (GAE) on the learner's. Both sides pack the
+        rows by scoring's ``plan`` (None: unpacked)."""
         programs = self.programs
-        forwards = programs.score_forwards(
-            self.policy_state.params, self.ref_params, None, rows
-        )  # dispatched; the critic's forward runs meanwhile
+        if forwards is None:
+            forwards = programs.score_forwards(
+                self.policy_params, self.ref_params, None, rows, plan and plan.rows
+            )  # dispatched; the critic's forward runs meanwhile
         start = self.timeline.now()
-        critic_rows = put_global(
-            rollout.device_rows,
-            jax.tree.map(lambda _: programs.critic_rows(2), rollout.device_rows),
+        critic_rows = programs.put_critic_rows(rows)
+        values = jax.block_until_ready(
+            programs.score_values(self.value_params, critic_rows, plan and plan.rows)
         )
-        values = jax.block_until_ready(programs.score_values(self.value_state.params, critic_rows))
         self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
         values = jax.device_put(values, programs.rows(2))
         return programs.score_advantages(
             forwards.replace(old_values=values), rows.response_mask, scores, kl_coef
         )
 
-    def _update_interleaved(self, batch: LearnerBatch, key: jax.Array) -> tuple[Any, dict]:
+    def _update_interleaved(
+        self, batch: LearnerBatch, key: jax.Array, packed_rows: int | None
+    ) -> tuple[Any, dict]:
         """``interleaved``: the critic's update on its devices (dispatched from a host thread)
-        while the policy's runs on the learner's; the same key, so the same minibatches as
-        the joint update. Returns the policy's UpdateOutput and both updates' metrics."""
+        while the policy's runs on the learner's; the same key and packing plan, so the same
+        minibatches as the joint update. Returns the policy's UpdateOutput and both updates'
+        metrics."""
         programs = self.programs
-        critic_batch = jax.device_put(
-            batch, jax.tree.map(lambda x: programs.critic_rows(x.ndim), batch)
-        )
+        critic_batch = programs.put_critic_rows(batch)
         critic_key = jax.device_put(key, NamedSharding(programs.critic_mesh, P()))
 
         def critic_update():
             start = self.timeline.now()
-            (state,), out = programs.update_value((self.value_state,), critic_batch, critic_key)
+            (state,), out = programs.update_value(
+                (self.value_state,), critic_batch, critic_key, (self.value_frozen,), packed_rows
+            )
             metrics = to_host(out.metrics)
             self.timeline.record("update", "critic", self.steps_done, start, self.timeline.now())
             return state, metrics
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(critic_update)
-            (self.policy_state,), update = programs.update((self.policy_state,), batch, key)
+            (self.policy_state,), update = programs.update(
+                (self.policy_state,), batch, key, (self.policy_frozen,), packed_rows
+            )
             metrics = to_host(update.metrics)
             self.value_state, critic_metrics = future.result()
         return update, {**critic_metrics, **metrics}
 
-    def _check_groups(self, rollout: Rollout) -> None:
+    def _check_groups(self, rollout: Rollout, score_groups: bool, update_groups: bool) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
-        groups do; a hand-built rollout might not)."""
+        groups do; a hand-built rollout might not). Checked for the phases that run their
+        rows unpacked (``*_groups``): sequence packing compares the prompts itself."""
         groups = self.layout.rl.groups
-        n = max(groups.score, groups.update)
+        n = max(groups.score if score_groups else 1, groups.update if update_groups else 1)
         if n == 1:
             return
         prompt_len = rollout.tokens.shape[1] - self.algo.rollout.max_new_tokens
@@ -534,10 +687,33 @@ class RLTrainer:
             )
 
     def export(self, hf_dir: str) -> None:
-        """The policy in Hugging Face format (``*ForCausalLM``) with the tokenizer."""
-        save_hf(
-            hf_dir, self.model_cfg, self.policy_state.params, dtype=self.cfg.checkpoint.export_dtype
-        )
+        """The policy in Hugging Face format (``*ForCausalLM``) with the tokenizer; with LoRA
+        the merged policy, and the adapters alone in PEFT's format beside it."""
+        lora = self.programs.policy_lora
+        if self.programs.hydra is not None:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                plain_policy(self.policy_frozen, self.policy_state.params),
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
+        elif lora is not None:
+            export_lora(
+                hf_dir,
+                self.cfg,
+                self.model_cfg,
+                lora.spec,
+                "lm",
+                self.policy_frozen,
+                self.policy_state.params,
+            )
+        else:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                self.policy_state.params,
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
         if jax.process_index() == 0:
             self.tokenizer.save_pretrained(hf_dir)
 
@@ -556,75 +732,6 @@ class RLTrainer:
 
 
 # ---- building ----------------------------------------------------------------------------
-
-
-def _value_params(cfg: RunConfig, programs: RLPrograms, policy_params: Any) -> Any:
-    """The critic's initial parameters: the policy's (or the reward model's) decoder with a
-    zero value head."""
-    algo, model = programs.algo, programs.model
-    value_sh = programs.value_shardings.params
-    if algo.critic_init == "reward_model":
-        params = load_params(algo.reward.model_dir, model, head="scalar", shardings=value_sh)
-        params["score"] = jnp.zeros_like(params["score"])
-        return params
-    params = {
-        "decoder": jax.tree.map(jnp.copy, policy_params["decoder"]),
-        "score": jnp.zeros((model.hidden_size, 1), model.weight_dtype),
-    }
-    return jax.device_put(params, value_sh)
-
-
-def _initial_states(
-    cfg: RunConfig, programs: RLPrograms, key: jax.Array
-) -> tuple[TrainState, TrainState | None, Any]:
-    """``(policy state, critic state or None, reference params)`` in the programs'
-    shardings; the reference is a frozen copy of the initial policy."""
-    policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
-    ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
-        jax.tree.map(jnp.copy, policy_params)
-    )
-    value_state = None
-    if programs.value is not None:
-        value_params = _value_params(cfg, programs, policy_params)
-        value_state = init_state(value_params, programs.value.optimizer, programs.value_shardings)
-    policy_state = init_state(policy_params, programs.policy.optimizer, programs.policy_shardings)
-    return policy_state, value_state, ref_params
-
-
-def _kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | losses.FixedKL:
-    loss = algo.loss
-    if loss.kl_target is not None:
-        return losses.AdaptiveKLState(loss.kl_coef, loss.kl_target, loss.kl_horizon)
-    return losses.FixedKL(loss.kl_coef)
-
-
-def _reward_model(cfg: RunConfig, source: str) -> ModelConfig:
-    """The reward model's config, checked to be a reward model (a scalar head).
-
-    Raises:
-      ConfigError: no readable config.json, or a causal LM given as the reward model.
-    """
-    field = f"{source}: {cfg.algorithm}.reward.model_dir"
-    path = rl_section(cfg).reward.model_dir
-    try:
-        model = load_hf_config(path)
-    except CheckpointError as e:
-        raise ConfigError(f"{field}: {e}") from None
-    if checkpoint_head(path) == "lm":
-        raise ConfigError(
-            f"{field}: {path} is a causal LM checkpoint, not a reward model (it has no score "
-            "head); train one with algorithm: reward_model (its hf/ export is a "
-            "*ForSequenceClassification), or score with reward.function instead"
-        )
-    return model
-
-
-def _reward_model_params(cfg: RunConfig, model: ModelConfig, shardings: Any, source: str) -> Any:
-    path = rl_section(cfg).reward.model_dir
-    try:
-        return load_params(path, model, head="scalar", shardings=shardings)
-    except CheckpointError as e:
-        raise ConfigError(f"{source}: {cfg.algorithm}.reward.model_dir: {e}") from None
 
 
 def build_rl_trainer(
@@ -662,10 +769,15 @@ def build_rl_trainer(
     algo = rl_section(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
-    reward_fn = rm_cfg = task_fn = None
+    reward_fn = rm_cfg = task_fn = env_factory = None
+    if algo.rollout.environment is not None:
+        try:
+            env_factory = resolve_environment(algo.rollout.environment)
+        except EnvError as e:
+            raise ConfigError(f"{source}: {cfg.algorithm}.{e}") from None
     if algo.reward.model_dir is not None:
-        rm_cfg = _reward_model(cfg, source)
-    else:
+        rm_cfg = reward_model_config(cfg, source)
+    elif algo.reward.function != "environment":
         reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
     if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
         task_fn = reward_fn if algo.reward.function == "builtin" else None
@@ -681,10 +793,21 @@ def build_rl_trainer(
         critic_mesh=critic_mesh(cfg.placement, cfg.mesh),
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
-    policy_state, value_state, ref_params = _initial_states(cfg, programs, init_key)
+    states = initial_states(cfg, programs, init_key)
+    sampler_base = None
+    if programs.sync is not None and programs.sync.mode == "adapters":
+        sampler_base, stats = programs.sync.resident_base(states.policy_frozen)
+        adapters, full = programs.sync.bytes_per_iteration()
+        logger.info(
+            "LoRA weight sync: the sampler keeps the base (%.1f MiB moved once) and receives "
+            "the adapters each iteration: %.2f MiB moved, vs %.1f MiB for a full sync",
+            stats.bytes_moved / 2**20,
+            adapters / 2**20,
+            full / 2**20,
+        )
     rm_params = None
     if rm_cfg is not None:
-        rm_params = _reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
+        rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
     return RLTrainer(
         cfg=cfg,
         programs=programs,
@@ -698,10 +821,14 @@ def build_rl_trainer(
         ),
         reward_fn=reward_fn,
         task_fn=task_fn,
-        policy_state=policy_state,
-        value_state=value_state,
-        ref_params=ref_params,
+        policy_state=states.policy,
+        value_state=states.value,
+        ref_params=states.reference,
         rm_params=rm_params,
-        kl_state=_kl_controller(algo),
+        kl_state=kl_controller(algo),
         key=run_key,
+        policy_frozen=states.policy_frozen,
+        value_frozen=states.value_frozen,
+        sampler_base=sampler_base,
+        env_factory=env_factory,
     )

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrlhf.models.packing import RowPacking
+
 Metrics = dict[str, Any]
 
 
@@ -71,11 +73,14 @@ class RolloutRows:
 
     Attributes:
       tokens, mask, response_mask: [N, T] as in :class:`Rollout`.
+      packing: where each row sits in its scoring micro-batch's packed rows ([N] leaves)
+        when scoring packs sequences (``rollout.pack_sequences``), else None.
     """
 
     tokens: Int[Array, "N T"]
     mask: Bool[Array, "N T"]
     response_mask: Bool[Array, "N T"]
+    packing: RowPacking | None = None
 
 
 def concatenate(rollouts: list[Rollout]) -> Rollout:
@@ -120,6 +125,9 @@ class LearnerBatch:
         micro-batches).
       ref_logprobs, old_logprobs, old_values, returns, advantages, token_rewards: as in
         :class:`Scored`; None where the update computes them itself.
+      packing: when the update packs sequences, each row's place in its micro-batch's packed
+        rows per epoch ([N, E] leaves: the update hands each epoch's column to the losses,
+        which see [B] leaves); else None.
       behaviour_logprobs: [N, T] the sampler's per-token log-probs (``Rollout``'s
         ``sampler_logprobs``) when the loss corrects with them
         (``loss.rollout_correction``), else None.
@@ -135,6 +143,7 @@ class LearnerBatch:
     returns: Float[Array, "N T"] | None = None
     advantages: Float[Array, "N T"] | None = None
     token_rewards: Float[Array, "N T"] | None = None
+    packing: RowPacking | None = None
     behaviour_logprobs: Float[Array, "N T"] | None = None
 
     @classmethod

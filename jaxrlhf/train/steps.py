@@ -14,6 +14,10 @@ devices. An objective whose rows come in groups (RL's packed prompt groups) says
 
 Batches are pytrees whose leaves have a leading row axis: the supervised trainers' dicts of
 arrays, RL's typed ``LearnerBatch``.
+
+A learner may train only part of its model (LoRA's adapters): the state then holds the
+trainable part, and the frozen rest reaches the step as its own argument (never donated),
+combined with it by the learner's ``combine`` before the loss sees the params.
 """
 
 from __future__ import annotations
@@ -116,6 +120,9 @@ class Learner:
       optimizer, lr_fn: its optax transform and schedule.
       rules: its train rule set (None without a mesh).
       grad_shardings: gradient (= param) shardings (None without a mesh).
+      combine: ``(frozen, trainable, key) -> params`` for a learner that trains part of its
+        model (``models.lora.LoraParams`` for LoRA; ``key``: this micro-batch's dropout
+        key); None: the state's params are the whole model.
     """
 
     objective: Objective
@@ -124,20 +131,29 @@ class Learner:
     lr_fn: optax.Schedule
     rules: Rules | None = None
     grad_shardings: Any = None
+    combine: Callable[[Any, Any, jax.Array], Any] | None = None
+
+    def model_params(self, params: Any, frozen: Any, key: jax.Array | None = None) -> Any:
+        """The params the loss applies: ``params`` alone, or combined with ``frozen``."""
+        if self.combine is None:
+            return params
+        return self.combine(frozen, params, key)
 
 
 def _constrain(tree: Any, shardings: Any) -> Any:
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
-def _with_router_loss(loss_fn: LossFn, module: Any) -> Callable[[Any, Batch], Any]:
-    """MoE hook (jaxrlhf/models/moe.py): ``loss_fn`` plus ``router_aux_loss_coef`` times the
+def _with_router_loss(learner: Learner, frozen: Any) -> Callable[..., Any]:
+    """The learner's loss as a function of ``(trainable params, batch, dropout key)``, with
+    the MoE hook (jaxrlhf/models/moe.py): ``loss_fn`` plus ``router_aux_loss_coef`` times the
     router's load-balancing loss, and router metrics (per-expert load); unchanged for dense
     models, whose forwards capture nothing."""
+    loss_fn, module = learner.objective.loss_fn, learner.module
 
-    def wrapped(params: Any, batch: Batch) -> tuple[jax.Array, LossAux]:
+    def wrapped(params: Any, batch: Batch, key: jax.Array | None) -> tuple[jax.Array, LossAux]:
         with moe.capture_router_logits() as routed:
-            loss, aux = loss_fn(module, params, batch)
+            loss, aux = loss_fn(module, learner.model_params(params, frozen, key), batch)
         loss, metrics = moe.add_router_loss(module.cfg, loss, aux.metrics, routed)
         return loss, aux._replace(metrics=metrics)
 
@@ -145,40 +161,55 @@ def _with_router_loss(loss_fn: LossFn, module: Any) -> Callable[[Any, Batch], An
 
 
 def accumulate_gradients(
-    learner: Learner, params: Any, batch: Batch, *, num_micro: int, mesh: Mesh | None
+    learner: Learner,
+    params: Any,
+    batch: Batch,
+    *,
+    num_micro: int,
+    mesh: Mesh | None,
+    frozen: Any = None,
+    key: jax.Array | None = None,
 ) -> tuple[Any, LossAux]:
     """Weighted-mean gradients and metrics over ``num_micro`` micro-batches of ``batch``.
 
-    Gradients are accumulated in float32 and kept in the params' shardings. Micro-batches
-    take whole groups of ``learner.objective.row_group`` rows. The loss's per-row
-    ``outputs`` come back with a single micro-batch only (None otherwise).
+    Gradients (of ``params``, the trainable part; ``frozen`` is the rest, see
+    :class:`Learner`) are accumulated in float32 and kept in the params' shardings.
+    Micro-batches take whole groups of ``learner.objective.row_group`` rows and each gets
+    ``key`` folded with its index (dropout). The loss's per-row ``outputs`` come back with a
+    single micro-batch only (None otherwise).
     """
     objective = learner.objective
-    loss_fn = _with_router_loss(objective.loss_fn, learner.module)
+    loss_fn = _with_router_loss(learner, frozen)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_micro == 1:
-        (_, aux), grads = grad_fn(params, batch)
+        (_, aux), grads = grad_fn(params, batch, key)
         return grads, aux
     micro = split_micro(batch, num_micro, mesh, learner.rules, objective.row_group)
     weights = jax.vmap(objective.weight_fn)(micro).astype(jnp.float32)  # [n]
     weights = weights / jnp.maximum(weights.sum(), 1.0)
+    keys = (
+        None
+        if key is None
+        else jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_micro))
+    )
 
     def body(carry, xs):
-        mb, w = xs
-        (_, aux), grads = grad_fn(params, mb)
+        mb, w, k = xs
+        (_, aux), grads = grad_fn(params, mb, k)
         grads = _constrain(grads, learner.grad_shardings)
         return jax.tree.map(
             lambda c, x: c + w * x.astype(jnp.float32), carry, (grads, aux.metrics)
         ), None
 
     abstract_metrics = jax.eval_shape(
-        lambda p, b: loss_fn(p, b)[1].metrics,
+        lambda p, b, k: loss_fn(p, b, k)[1].metrics,
         params,
         jax.tree.map(lambda x: x[0], micro),
+        key,
     )
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, abstract_metrics))
     zeros = (_constrain(zeros[0], learner.grad_shardings), zeros[1])
-    (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
+    (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, weights, keys))
     return grads, LossAux(metrics)
 
 
@@ -190,18 +221,22 @@ def train_step(
     learner: Learner,
     num_micro: int,
     mesh: Mesh | None,
+    frozen: Any = None,
 ) -> tuple[TrainState, Metrics, Any]:
     """One optimizer update on ``batch``: ``(state, batch, key) -> (state, metrics, outputs)``.
 
-    ``key`` is unused by the supervised and preference objectives (the models have no
-    dropout); it keeps the signature every trainer's step shares (RL steps sample).
+    ``key`` (folded with the state's step) drives LoRA's adapter dropout when the learner
+    combines its params with ``frozen`` (:class:`Learner`); the models have no other
+    randomness.
     Metrics add ``grad_norm`` (before clipping), ``lr`` (of this update) and ``skipped``
     (1.0 when the update was dropped because a ``loss/*`` metric, the gradient or the
     optimizer's update was not finite: the returned state then equals ``state``).
     ``outputs``: the loss's per-row outputs (:class:`LossAux`).
     """
-    del key
-    grads, aux = accumulate_gradients(learner, state.params, batch, num_micro=num_micro, mesh=mesh)
+    key = None if learner.combine is None else jax.random.fold_in(key, state.step)
+    grads, aux = accumulate_gradients(
+        learner, state.params, batch, num_micro=num_micro, mesh=mesh, frozen=frozen, key=key
+    )
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
     for name, value in aux.metrics.items():
@@ -229,7 +264,8 @@ def train_step(
 def eval_step(
     params: Any, batch: Batch, *, objective: Objective, module: Any
 ) -> tuple[Metrics, jax.Array]:
-    """``(metrics * weight, weight)`` of one batch; sum both over batches and divide."""
+    """``(metrics * weight, weight)`` of one batch; sum both over batches and divide.
+    ``params``: the whole model's (a LoRA model's ``LoraParams`` without a dropout key)."""
     _, aux = objective.loss_fn(module, params, batch)
     weight = objective.weight_fn(batch).astype(jnp.float32)
     return jax.tree.map(lambda m: m * weight, aux.metrics), weight

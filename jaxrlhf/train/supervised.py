@@ -34,11 +34,19 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params, save_hf
 from jaxrlhf.models.hf_config import load_hf_config
+from jaxrlhf.models.lora import LoraParams, combine_fn
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import put_global
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.sharding.placement import given_mesh, train_mesh
 from jaxrlhf.train import dpo, reward_model, sft, steps
+from jaxrlhf.train.adapters import (
+    LoraLayout,
+    export_lora,
+    initial_lora_params,
+    lora_layout,
+    lora_spec,
+)
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.model_setup import init_params, model_with_tokenizer_ids
 from jaxrlhf.train.optim import make_optimizer
@@ -87,6 +95,9 @@ class SupervisedPrograms:
       reference: ``(ref_params, batch) -> [B, 2]`` reference log-probs, or None.
       reference_model: the reference's ModelConfig, or None.
       reference_shardings: its parameter shardings (reference score rules), or None.
+      lora: the frozen/trainable split of a LoRA model (``lora:``), else None; the
+        TrainState then holds the trainable part, and ``train_step`` takes the frozen base
+        as a fourth argument.
     """
 
     objective: steps.Objective
@@ -100,11 +111,20 @@ class SupervisedPrograms:
     reference: Callable[..., jax.Array] | None = None
     reference_model: ModelConfig | None = None
     reference_shardings: Any = None
+    lora: LoraLayout | None = None
+
+    @property
+    def model_shardings(self) -> Any:
+        """Shardings of what the eval step applies: the params, or a LoRA model's
+        ``LoraParams`` (frozen base and trainable part)."""
+        if self.lora is None:
+            return self.state_shardings.params
+        return LoraParams(self.lora.frozen_shardings, self.lora.trainable_shardings, None)
 
 
-def _step(state, batch, key, *, learner: steps.Learner, num_micro: int, mesh: Mesh):
+def _step(state, batch, key, frozen, *, learner: steps.Learner, num_micro: int, mesh: Mesh):
     new_state, metrics, _ = steps.train_step(
-        state, batch, key, learner=learner, num_micro=num_micro, mesh=mesh
+        state, batch, key, learner=learner, num_micro=num_micro, mesh=mesh, frozen=frozen
     )
     return new_state, metrics
 
@@ -126,12 +146,19 @@ def build_supervised_programs(
     """
     objective = objective_for(cfg)
     rules = rules_for(objective.role, "train")
-    param_sh = param_shardings(model, mesh, rules, objective.head)
-    module = build_sharded(model, mesh, rules, objective.head)
+    spec = lora_spec(cfg)
+    module = build_sharded(model, mesh, rules, objective.head, spec)
     optimizer, lr_fn = make_optimizer(cfg.optimizer, cfg.train.steps)
-    abstract = model_lib.abstract_params(model, objective.head)
+    lora = combine = frozen_sh = None
+    if spec is None:
+        param_sh = param_shardings(model, mesh, rules, objective.head)
+        abstract = model_lib.abstract_params(model, objective.head)
+    else:  # the state trains the adapters; the frozen base is the step's 4th argument
+        lora = lora_layout(model, mesh, rules, objective.head, spec)
+        param_sh, abstract = lora.trainable_shardings, lora.trainable
+        frozen_sh, combine = lora.frozen_shardings, combine_fn(spec)
     state_sh = state_shardings(abstract, param_sh, optimizer, mesh)
-    learner = steps.Learner(objective, module, optimizer, lr_fn, rules, param_sh)
+    learner = steps.Learner(objective, module, optimizer, lr_fn, rules, param_sh, combine)
     batch_sh = {
         k: steps.batch_sharding(mesh, rules, len(shape))
         for k, (shape, _) in batch_layout(cfg, objective).items()
@@ -139,13 +166,14 @@ def build_supervised_programs(
     replicated = NamedSharding(mesh, P())
     train_step = jax.jit(
         functools.partial(_step, learner=learner, num_micro=layout.num_micro, mesh=mesh),
-        in_shardings=(state_sh, batch_sh, replicated),
+        in_shardings=(state_sh, batch_sh, replicated, frozen_sh),
         out_shardings=(state_sh, replicated),
         donate_argnums=0,  # the old state's buffers are reused for the new one
     )
+    model_sh = param_sh if lora is None else LoraParams(frozen_sh, param_sh, None)
     eval_step = jax.jit(
         functools.partial(steps.eval_step, objective=objective, module=module),
-        in_shardings=(param_sh, batch_sh),
+        in_shardings=(model_sh, batch_sh),
         out_shardings=replicated,
     )
     reference = ref_model = ref_sh = None
@@ -172,6 +200,7 @@ def build_supervised_programs(
         reference=reference,
         reference_model=ref_model,
         reference_shardings=ref_sh,
+        lora=lora,
     )
 
 
@@ -187,7 +216,9 @@ class SupervisedTrainer:
       batches: the training batches (resumable).
       state: the TrainState.
       key: the run's PRNG key (each step folds in ``steps_done``).
-      ref_params: the frozen reference's parameters (DPO scoring per batch), or None.
+      ref_params: the frozen reference's parameters (DPO scoring per batch), or None; with
+        LoRA and no ``dpo.reference_hf_dir``, the base (the same arrays as ``frozen``).
+      frozen: a LoRA model's frozen base (``programs.lora``), else None.
       steps_done: updates run through :meth:`step`.
     """
 
@@ -201,7 +232,16 @@ class SupervisedTrainer:
     state: TrainState
     key: jax.Array
     ref_params: Any = None
+    frozen: Any = None
     steps_done: int = 0
+
+    @property
+    def model_params(self) -> Any:
+        """The trained model's params as the eval step and the exports read them: the
+        state's, or a LoRA model's ``LoraParams`` (frozen base, trained adapters)."""
+        if self.frozen is None:
+            return self.state.params
+        return LoraParams(self.frozen, self.state.params)
 
     @property
     def objective(self) -> steps.Objective:
@@ -230,8 +270,13 @@ class SupervisedTrainer:
     plot_keys = summary_keys
 
     def describe(self) -> str:
+        trained = model_lib.param_count(self.state.params)
+        size = f"{trained:,} parameters"
+        if self.frozen is not None:
+            total = trained + model_lib.param_count(self.frozen)
+            size = f"{trained:,} trained (LoRA) of {total:,} parameters"
         return (
-            f"{self.cfg.algorithm}: {model_lib.param_count(self.state.params):,} parameters, "
+            f"{self.cfg.algorithm}: {size}, "
             f"mesh {dict(self.mesh.shape)}, {len(self.train_data)} train / "
             f"{0 if self.eval_data is None else len(self.eval_data)} eval examples, "
             f"{self.num_micro} micro-batch(es) per update"
@@ -254,7 +299,7 @@ class SupervisedTrainer:
         """One update (on ``batch`` or the next training batch); device metrics."""
         batch = self.next_batch() if batch is None else batch
         key = jax.random.fold_in(self.key, self.steps_done)
-        self.state, metrics = self.programs.train_step(self.state, batch, key)
+        self.state, metrics = self.programs.train_step(self.state, batch, key, self.frozen)
         platform.serialize_programs(self.mesh, self.state)
         self.steps_done += 1
         return StepOutput(metrics=metrics, skipped=metrics["skipped"])
@@ -273,7 +318,7 @@ class SupervisedTrainer:
         size = self.cfg.train.eval_batch_size or self.cfg.train.batch_size
         totals, weight = None, 0.0
         for host_batch in eval_batches(self.eval_data, size, self.cfg.data.max_length):
-            sums, w = self.programs.eval_step(self.state.params, self.put(host_batch))
+            sums, w = self.programs.eval_step(self.model_params, self.put(host_batch))
             platform.serialize_programs(self.mesh, sums)
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
             weight = weight + w
@@ -292,14 +337,22 @@ class SupervisedTrainer:
 
     def export(self, hf_dir: str) -> None:
         """The trained model (``*ForCausalLM``, or ``*ForSequenceClassification`` for a reward
-        model) with the tokenizer."""
-        save_hf(
-            hf_dir,
-            self.model_cfg,
-            self.state.params,
-            head=self.objective.head,
-            dtype=self.cfg.checkpoint.export_dtype,
-        )
+        model) with the tokenizer; with LoRA the merged model, and the adapters alone in
+        PEFT's format beside it (``adapters.export_lora``)."""
+        head = self.objective.head
+        if self.programs.lora is not None:
+            spec = self.programs.lora.spec
+            export_lora(
+                hf_dir, self.cfg, self.model_cfg, spec, head, self.frozen, self.state.params
+            )
+        else:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                self.state.params,
+                head=head,
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
         if jax.process_index() == 0:
             self.tokenizer.save_pretrained(hf_dir)
 
@@ -368,9 +421,15 @@ def build_supervised_trainer(
     ref_model = None if ref is None or ref.hf_dir is None else load_hf_config(ref.hf_dir)
     programs = build_supervised_programs(cfg, layout, model, mesh, reference_model=ref_model)
     init_key, step_key = jax.random.split(jax.random.key(cfg.train.seed))
-    params = init_params(cfg, model, objective.head, programs.state_shardings.params, init_key)
+    frozen = None
+    if programs.lora is not None:
+        frozen, params = initial_lora_params(cfg, model, programs.lora, init_key)
+    else:
+        params = init_params(cfg, model, objective.head, programs.state_shardings.params, init_key)
     ref_params = None
-    if ref is not None and ref.hf_dir is None:
+    if ref is not None and ref.hf_dir is None and frozen is not None:
+        ref_params = frozen  # the reference is the base without adapters: no copy
+    elif ref is not None and ref.hf_dir is None:
         # A frozen copy of the initial policy (the policy's own buffers are donated to steps).
         ref_params = jax.tree.map(jnp.copy, params)
     elif ref is not None:
@@ -394,6 +453,7 @@ def build_supervised_trainer(
         state=init_state(params, programs.learner.optimizer, programs.state_shardings),
         key=step_key,
         ref_params=ref_params,
+        frozen=frozen,
     )
     if ref is not None and ref.precompute:
         _precompute_reference(trainer)

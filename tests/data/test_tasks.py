@@ -45,7 +45,10 @@ def test_records(task):
     prompt, answer = make_problem(task, rng)
     assert task_rewards(task, [prompt], [answer])[0] == 1.0
     sft = builtin_records(task, "sft", 50, seed=0)
-    assert all(task_rewards(task, [r["prompt"]], [r["response"]])[0] == 1.0 for r in sft)
+    # calc: a tool-use response's final answer follows the tool's response
+    for r in sft:
+        final = r["response"].rsplit("</tool_response>", 1)[-1]
+        assert task_rewards(task, [r["prompt"]], [final])[0] == 1.0
     assert sft == builtin_records(task, "sft", 50, seed=0)  # deterministic
     prefs = builtin_records(task, "preference", 200, seed=0)
     rewards = np.array(

@@ -167,3 +167,51 @@ def test_sharded_engine_equals_one_device(setup):
     np.testing.assert_allclose(
         eight.finished.model_logprobs, one.finished.model_logprobs, atol=1e-5
     )
+
+
+def _views_used(engine: Engine, width: int) -> set[tuple[int, int]]:
+    """The (slots per shard, generated width) views the engine compiled chunks for."""
+    return {(k[-2], k[-1]) for k in engine._jitted if k[0] == "view"} - {(None, width)}
+
+
+@pytest.mark.parametrize("data, fsdp, tensor", [(1, 1, 1), (2, 2, 2)])
+def test_views_decode_what_the_whole_state_decodes(setup, data, fsdp, tensor):
+    """Chunks on views (running slots only, the cache cut to the reachable width) sample the
+    same tokens as chunks over every slot and the whole cache, and as the static sampler;
+    with a mesh the views are cut shard by shard (8 devices: 4 slot shards x 2 tensor)."""
+    cfg, params, tokens, mask = setup
+    width, key = 40, jax.random.key(3)
+    sampling = SamplingParams(max_new_tokens=width, n=2, stop_token_ids=STOP[:4], pad_token_id=0)
+    budgets = np.array([40, 3, 9, 25, 2, 17])  # long and short requests share the slots
+    shards = data * fsdp  # fsdp is a second data axis for generation
+    slots = 4 * shards  # 12 rows: queued (1 shard) or all in at once (4), then a tail
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor)) if shards > 1 else None
+    sampler = Sampler(cfg, mesh, matmul_block=64)
+    gen_params = sampler.to_generate_layout(params)[0] if mesh is not None else params
+    outs = {}
+    for views in (True, False):
+        engine = Engine(sampler, slots=slots, chunk=2, views=views)
+        outs[views] = engine.generate(
+            gen_params, tokens, mask, key, sampling, max_new_tokens=budgets
+        )
+        if views:
+            used = _views_used(engine, width)
+            assert any(w < width for _, w in used) and any(r < slots // shards for r, _ in used), (
+                used
+            )  # both cuts ran
+    ref = jax.device_get(Sampler(cfg).generate(params, tokens, mask, key, sampling))
+    rows = np.arange(B * 2)
+    cut = np.arange(width)[None] < np.repeat(budgets, 2)[:, None]
+    lengths = np.minimum(np.asarray(ref.lengths), np.repeat(budgets, 2))
+    for out in outs.values():
+        np.testing.assert_array_equal(out.finished.rows, rows)
+        np.testing.assert_array_equal(out.finished.lengths, lengths)
+        np.testing.assert_array_equal(out.finished.tokens, np.where(cut, np.asarray(ref.tokens), 0))
+        np.testing.assert_allclose(
+            out.finished.model_logprobs,
+            np.where(cut, np.asarray(ref.model_logprobs), 0.0),
+            atol=1e-5,
+        )
+    np.testing.assert_allclose(
+        outs[True].finished.logprobs, outs[False].finished.logprobs, atol=1e-6
+    )

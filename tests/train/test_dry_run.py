@@ -120,7 +120,9 @@ def _ppo_config(tmp_path):
         "train": {"steps": 1, "micro_batch_size": 1},
         "logging": {"progress": "none"},
         "ppo": {
-            "rollout": {"prompts_per_step": 16, "max_new_tokens": 6},
+            # Scoring packs sequences (4 rows per data shard); one packed size, the largest,
+            # so the real run compiles the programs the dry run plans.
+            "rollout": {"prompts_per_step": 16, "max_new_tokens": 6, "pack_buckets": 1},
             "loss": {"epochs": 2, "num_minibatches": 2},
             "reward": {"function": None, "model_dir": rm_dir},
         },
@@ -171,6 +173,57 @@ def test_ppo_plan_matches_real_run(tmp_path):
     assert len(copied) < len(jax.tree.leaves(gen))
     assert planned["decode"].state_bytes == held + _device_bytes(copied)
     assert report.roles[0].generate_bytes == _device_bytes(gen) > _device_bytes(train)
+
+
+@pytest.mark.slow
+def test_packed_grpo_plan_matches_real_run(tmp_path):
+    """GRPO packing sequences in scoring and in the update, 4 rows per data shard each: the
+    dry run plans the packed programs (at their largest size; ``pack_buckets: 1`` makes it
+    the only one, and without ``shared_prefix`` packing is not traded for prompt groups, so
+    the real run compiles exactly the planned programs)."""
+    raw = {
+        "algorithm": "grpo",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny"},
+        "data": {
+            "train": "builtin:sort",
+            "max_length": 32,
+            "max_prompt_length": 16,
+            "builtin_size": 64,
+            "eval_size": 0,
+        },
+        "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
+        "train": {"steps": 1},
+        "logging": {"progress": "none"},
+        "grpo": {
+            "rollout": {
+                "prompts_per_step": 4,
+                "max_new_tokens": 6,
+                "pack_buckets": 1,
+                "shared_prefix": False,
+            },
+        },
+    }
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(str(path))
+    mesh = helpers.mesh(1, 4, 2)
+    report = dry_run.plan(cfg, mesh=mesh)
+    planned = {p.name: p for p in report.programs}
+    assert list(planned) == ["prefill", "decode", "score", "update"]
+    assert "sequences packed (scoring 4 -> 4 rows per data shard, update 4 -> 4" in report.shapes
+
+    trainer = build_rl_trainer(cfg, mesh=mesh)
+    assert trainer.layout.rl.packing.score == trainer.layout.rl.packing.update == 4
+    rec = Recorder()
+    trainer.programs = dataclasses.replace(
+        trainer.programs,
+        **{name: rec.wrap(name, getattr(trainer.programs, name)) for name in ("score", "update")},
+    )
+    metrics = trainer.step().metrics
+    assert metrics["packing/score_rows"] == metrics["packing/update_rows"] == 4
+    for name in ("score", "update"):
+        _assert_program_matches(planned[name], rec.memory(name))
 
 
 def test_sft_plan_matches_real_run(tmp_path):

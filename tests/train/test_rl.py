@@ -427,6 +427,7 @@ def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
         "ppo.loss.epochs=2",
         "train.micro_batch_size=8",
         "ppo.loss.kl_coef=0.1",
+        "ppo.rollout.pack_sequences=false",  # prompt groups only
     ]
     rollout, out = _ppo_on_one_rollout(
         tmp_path,
@@ -457,7 +458,12 @@ def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
     np.testing.assert_array_equal(merge_micro(got, group_size=2), rows["x"])
 
     cfg, src = _config(
-        tmp_path, "grpo", "grpo.loss.num_minibatches=2", "grpo.loss.epochs=2", "optimizer.eps=1e-8"
+        tmp_path,
+        "grpo",
+        "grpo.loss.num_minibatches=2",
+        "grpo.loss.epochs=2",
+        "optimizer.eps=1e-8",
+        "grpo.rollout.pack_sequences=false",  # prompt groups only
     )
     trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
     assert trainer.layout.rl.groups.update == 4
@@ -473,7 +479,7 @@ def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
 
 
 def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(fast_compile, tmp_path, caplog):
-    cfg, src = _config(tmp_path, "grpo")
+    cfg, src = _config(tmp_path, "grpo", "grpo.rollout.pack_sequences=false")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     rollout, _ = trainer.rollout(jax.random.key(1))
     rollout.tokens[5, -7] += 1  # row 5 (group 1) now has another prompt token
@@ -486,7 +492,13 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(fast_compile, tmp_
     assert "shared_prefix is off: 4 prompt groups do not split over 8 data shard(s)" in caplog.text
 
     # Micro-batches of 2 rows split groups of 4: scoring packs, the update does not.
-    cfg, src = _config(tmp_path, "grpo", "train.micro_batch_size=2", "grpo.loss.epochs=2")
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        "train.micro_batch_size=2",
+        "grpo.loss.epochs=2",
+        "grpo.rollout.pack_sequences=false",
+    )
     with caplog.at_level("WARNING"):
         trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     assert trainer.layout.rl.groups == GroupSizes(score=4, update=1)
@@ -562,9 +574,9 @@ def test_score_micro_batches_equal_one_scoring_forward(fast_compile, tmp_path, c
         GroupSizes(1, 4),
     ]
     keys = ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages")
-    tokens, mask = jnp.asarray(rollout.tokens), jnp.asarray(rollout.mask)
     rm_scores = {
-        m: np.asarray(t.programs.reward(t.rm_params, tokens, mask)) for m, (t, *_) in out.items()
+        m: t.programs.reward_scores(t.rm_params, rollout.tokens, rollout.mask)
+        for m, (t, *_) in out.items()
     }
     assert np.ptp(rm_scores[None]) > 1e-3  # a real reward model: rows score differently
     for m in (4, 2):

@@ -22,10 +22,18 @@ ENGINE = ("grpo.rollout.engine=continuous", "grpo.rollout.slots=8", "grpo.rollou
 
 
 def _iteration(tmp_path, *overrides, algorithm="grpo"):
+    """``(trainer, metrics, policy params, the rollout it learned)`` after one step."""
     cfg, src = _config(tmp_path, algorithm, f"{algorithm}.loss.kl_coef=0.1", *overrides)
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    learned, learn = [], trainer.learn
+
+    def recording_learn(rollout, *args, **kwargs):
+        learned.append(rollout)
+        return learn(rollout, *args, **kwargs)
+
+    trainer.learn = recording_learn
     metrics = trainer.step().metrics
-    return trainer, metrics, jax.device_get(trainer.policy_state.params)
+    return trainer, metrics, jax.device_get(trainer.policy_state.params), learned[0]
 
 
 def _assert_close(a, b, keys):
@@ -51,29 +59,42 @@ def test_engine_iteration_equals_the_static_one(tmp_path, stream):
         assert engine[1]["time/score_streamed_s"] > 0
 
 
-def test_streamed_ppo_scoring_equals_unstreamed(tmp_path):
+@pytest.mark.parametrize(
+    "models",
+    [(), ("ppo.value.branch_layer=1",), ("lora.rank=4",)],
+    ids=["separate_critic", "hydra_critic", "lora"],
+)
+def test_streamed_ppo_scoring_equals_unstreamed(tmp_path, models):
     """PPO with a critic and groups of 2 (packed), two update micro-batches so the critic's
-    values and the old log-probs are scoring forwards: streamed against after-the-fact."""
+    values and the old log-probs are scoring forwards: streamed (its batches packed by
+    real lengths) against after-the-fact; the critic separate or a Hydra branch (one joint
+    forward), or both models LoRA."""
     common = (
         "ppo.rollout.engine=continuous",
         "ppo.rollout.slots=4",
         "ppo.rollout.chunk_tokens=2",
         "ppo.rollout.num_samples=2",
         "train.micro_batch_size=2",
+        *models,
     )
     streamed = _iteration(tmp_path, *common, algorithm="ppo")
     after = _iteration(tmp_path, *common, "ppo.rollout.stream_scoring=false", algorithm="ppo")
+    assert streamed[1]["packing/score_slots"] > 0  # the streamed batches packed sequences
     keys = (*METRICS, "loss/value", "value/explained_var")
     _assert_close(streamed, after, keys)
     scored = [jax.device_get(t.last_scored) for t, *_ in (streamed, after)]
+    # On the response tokens (all the update reads): a forward that packs sequences leaves
+    # 0 at padding, and each streamed batch packs on its own (the whole rollout may not).
+    resp = streamed[3].response_mask
+    np.testing.assert_array_equal(resp, after[3].response_mask)
     for name in ("old_logprobs", "ref_logprobs", "old_values", "returns", "advantages"):
         np.testing.assert_allclose(
-            getattr(scored[0], name), getattr(scored[1], name), atol=1e-5, err_msg=name
+            getattr(scored[0], name)[resp], getattr(scored[1], name)[resp], atol=1e-5, err_msg=name
         )
 
 
 def test_oversampling_keeps_prompts_per_step_groups(tmp_path):
-    trainer, metrics, _ = _iteration(tmp_path, *ENGINE, "grpo.rollout.oversample_groups=2")
+    trainer, metrics, *_ = _iteration(tmp_path, *ENGINE, "grpo.rollout.oversample_groups=2")
     assert metrics["rollout/aborted_groups"] == 2
     rollout, _ = trainer.rollout(jax.random.key(3))
     assert rollout.rows == 16  # prompts_per_step (4) x num_samples (4) kept
@@ -96,13 +117,16 @@ def test_engine_settings_errors_are_one_line(tmp_path, overrides, message):
 
 
 def test_dry_run_plans_the_engine(tmp_path):
-    """The engine's admission and decode-chunk programs replace the static sampler's; the
-    note gives its KV cache: 8 slots x (16 + 6) positions x 2 layers x K=2 heads x H=8 x
-    (key + value) x 4 bytes = 45,056 B = 0.04 MiB on one device."""
+    """The engine's admission and decode-chunk programs (the whole state, and the largest
+    view) replace the static sampler's; the note gives its KV cache: 8 slots x (16 + 6)
+    positions x 2 layers x K=2 heads x H=8 x (key + value) x 4 bytes = 45,056 B = 0.04 MiB
+    on one device."""
     from jaxrlhf.train import dry_run
 
     cfg, src = _config(tmp_path, "grpo", *ENGINE)
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
-    assert [p.name for p in report.programs] == ["admit", "decode", "score", "update"]
+    names = [p.name for p in report.programs]
+    assert names == ["admit", "decode", "decode view", "score", "update"]
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
+    assert "up to 3 smaller decode views" in note  # 4, 2 or 1 of the 8 slots

@@ -1,0 +1,154 @@
+"""Workload R1-long: the R1 GRPO step (benchmarks/rl_step.py) with G2's long-tailed response
+lengths, the static sampler against the rollout engine with streamed scoring.
+
+R1 (8 prompts x 4 samples, 64 random prompt tokens, a cheap programmatic reward, reference
+log-probs, one AdamW update over the 32 rows, KL 0.04) with ``max_new_tokens`` 512 and the
+32 rows' response lengths at the quantiles of G2's distribution (lognormal, median 48,
+capped at 512; benchmarks/generate_longtail.py). Both runs use the same samples: the engine
+stops each row at its length (per-row budgets), the static sampler decodes every row
+for 512 steps, as it must, and its rows are then cut at the same lengths, so scoring and the
+update see identical rollouts. Metric: seconds per iteration, median over the timed
+iterations after one warm-up, with the trainer's per-phase split; the runs alternate
+iteration by iteration.
+
+    python benchmarks/rl_long.py --models bench-s bench-m --steps 3 --cpu-devices 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import rl_step  # noqa: E402
+from benchmarks.generate import cpu_model  # noqa: E402
+from benchmarks.generate_longtail import CAP, MEDIAN, SIGMA  # noqa: E402
+from jaxrlhf import platform as jaxrlhf_platform  # noqa: E402
+from jaxrlhf.config import load_config  # noqa: E402
+from jaxrlhf.train.rl_trainer import build_rl_trainer  # noqa: E402
+
+ROWS = rl_step.PROMPTS * rl_step.SAMPLES
+ENGINES = {
+    "static": {"engine": "static"},
+    "engine+stream": {
+        "engine": "continuous",
+        "slots": ROWS,
+        "chunk_tokens": 16,
+        "stream_scoring": True,
+    },
+}
+
+
+def _trainer(model: str, engine: str, placement: str, out: str):
+    rl_step._config("R1", rl_step.MODELS[model], None, out, placement)  # writes R1.yaml
+    path = os.path.join(out, "R1.yaml")
+    overrides = [
+        f"grpo.rollout.max_new_tokens={CAP}",
+        f"data.max_length={rl_step.PROMPT_LEN + CAP}",
+        f"model.max_position_embeddings={rl_step.PROMPT_LEN + CAP}",
+    ]
+    overrides += [f"grpo.rollout.{k}={v}" for k, v in ENGINES[engine].items()]
+    trainer = build_rl_trainer(load_config(path, overrides))
+    trainer.prompts = rl_step.RandomPrompts(trainer.model_cfg.vocab_size)
+    trainer.task_fn = None
+    return trainer
+
+
+def quantile_lengths() -> np.ndarray:
+    """[32] response lengths: G2's distribution at the quantiles (i + 0.5) / 32, capped at
+    512, shuffled once (seed 0): the same tail as G2's draw (2 of 32 at the cap, about 5%)
+    without a 32-row draw's luck."""
+    from statistics import NormalDist
+
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / ROWS) for i in range(ROWS)])
+    lengths = np.clip(np.ceil(MEDIAN * np.exp(SIGMA * z)), 1, CAP).astype(np.int32)
+    return np.random.default_rng(0).permutation(lengths)
+
+
+def force_lengths(trainer, lengths: np.ndarray) -> None:
+    """Makes every rollout end its rows at ``lengths`` ([32], prompt-major rows)."""
+    engine = trainer.programs.engine
+    if engine is not None:
+        engine.generate = functools.partial(engine.generate, max_new_tokens=lengths)
+        return
+    sampler = trainer.sampler
+    generate = sampler.generate
+
+    def cut(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        keep = jnp.arange(out.tokens.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
+        keep &= out.response_mask
+        return out.replace(
+            tokens=jnp.where(keep, out.tokens, 0),
+            response_mask=keep,
+            lengths=keep.sum(-1, dtype=jnp.int32),
+            stopped=jnp.zeros_like(out.stopped),
+            logprobs=jnp.where(keep, out.logprobs, 0.0),
+            model_logprobs=jnp.where(keep, out.model_logprobs, 0.0),
+        )
+
+    sampler.generate = cut
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["bench-s"], choices=sorted(rl_step.MODELS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cpu-devices", type=int, default=1)
+    args = parser.parse_args()
+    if args.cpu_devices > 1 and jaxrlhf_platform.set_cpu_devices(args.cpu_devices) is not None:
+        parser.error("--cpu-devices: JAX has already started")
+    placement = "split" if args.cpu_devices > 1 else "all"
+    host = jaxrlhf_platform.reuse_freed_host_memory()
+    lengths = quantile_lengths()
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()}, jax {jax.__version__}, "
+        f"{jax.device_count()} CPU device(s), placement {placement}, host memory reuse: "
+        f"{host or 'on'}"
+    )
+    print(
+        f"# R1-long lengths: median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, max "
+        f"{lengths.max()}, {(lengths == CAP).sum()} at {CAP}; {lengths.sum()} tokens"
+    )
+    phases = ("reshard", "generate", "score_streamed", "reward", "score", "train")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            trainers = {}
+            for name in ENGINES:
+                out = os.path.join(tmp, f"{model}-{name}")
+                os.makedirs(out)
+                trainers[name] = _trainer(model, name, placement, out)
+                force_lengths(trainers[name], lengths)
+                trainers[name].step()  # warm-up: compiles
+            rows: dict[str, list[dict]] = {k: [] for k in trainers}
+            for i in range(args.steps):
+                order = list(trainers) if i % 2 == 0 else list(reversed(trainers))
+                for name in order:
+                    rows[name].append(trainers[name].step().metrics)
+            load = os.getloadavg()[0]
+            print(f"{model}: s/iteration, median of {args.steps} (1-min load {load:.1f})")
+            median = {}
+            for name, rs in rows.items():
+                median[name] = statistics.median(r["time/iteration_s"] for r in rs)
+                split = ", ".join(
+                    f"{p} {statistics.median(r.get(f'time/{p}_s', 0.0) for r in rs):.2f}"
+                    for p in phases
+                )
+                print(f"  {name:14s} {median[name]:7.2f} s  ({split})")
+            print(f"  engine+stream is {median['static'] / median['engine+stream']:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""The dry run's RL phases (``algorithm: ppo | grpo``): the sampler (with a LoRA or Hydra
+policy, the program that builds its weights), scoring and the update of the run's
+``rl_programs.RLPrograms``, compiled on abstract values (see ``dry_run_phases``). Programs
+that pack sequences (``rollout.pack_sequences``) compile at their largest packed size, the
+most memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.config import RunLayout, rl_section
+from jaxrlhf.models import model as model_lib
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lora import LoraParams, combine
+from jaxrlhf.models.packing import RowPacking, bucket_sizes
+from jaxrlhf.sharding import rules_for
+from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
+from jaxrlhf.train.dry_run_phases import Planner, RoleMemory, sds
+from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
+from jaxrlhf.train.rl_scoring import abstract_rows
+from jaxrlhf.train.rl_types import LearnerBatch
+from jaxrlhf.train.state import create_state, state_shardings
+
+# ---- RL (ppo, grpo) ---------------------------------------------------------------------------
+
+
+def _select(mask: Any, want: bool, *trees: Any) -> list[list[Any]]:
+    """The leaves of each tree where ``mask``'s leaf is ``want``."""
+    flags = jax.tree.leaves(mask)
+    return [[x for x, f in zip(jax.tree.leaves(t), flags, strict=True) if f == want] for t in trees]
+
+
+def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfig | None, str]:
+    """The run's RLPrograms on abstract shapes: the sampler compiled as on an accelerator
+    (no CPU weight blocks), one stop id (the tokenizer's EOS, unread here)."""
+    algo = rl_section(pl.cfg)
+    rm_model, note = None, ""
+    if algo.reward.model_dir is not None:
+        rm_model, note = pl.arch(algo.reward.model_dir, f"{pl.cfg.algorithm}.reward.model_dir")
+    else:
+        pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
+    sampling = sampling_params(algo)  # shapes only: a stop id is always one entry
+    programs = build_rl_programs(
+        pl.cfg,
+        layout,
+        pl.model_cfg,
+        pl.mesh,
+        pl.generate_mesh,
+        sampling,
+        reward_model=rm_model,
+        matmul_block=0,
+    )
+    return programs, rm_model, note
+
+
+def _generate_copy(pl: Planner, name: str, source: str, shardings: Any) -> Any:
+    """Registers the generate-layout copy of the tree ``source`` as ``name`` (all of it),
+    ``name.copy`` (the leaves whose layout changes) and ``name.shared`` (the others, which
+    ``jax.device_put`` does not copy); returns the whole copy, abstract."""
+    abstract, train_sh = pl.trees[source]
+    whole = pl.add(name, abstract, shardings)
+    same = jax.tree.map(
+        lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, shardings, train_sh
+    )
+    pl.add(f"{name}.copy", *_select(same, False, abstract, shardings))
+    pl.add(f"{name}.shared", *_select(same, True, abstract, train_sh))
+    return whole
+
+
+def _plan_lora_sync(pl: Planner, programs: RLPrograms, held: list[str]) -> tuple[Any, list, list]:
+    """A LoRA policy's weights for the sampler (``weight_sync.AdapterSync``): the merge
+    program and the bytes each iteration moves; ``(merged params, live, passed)`` for the
+    sampler's programs. With ``sync: adapters`` the resident base copy joins ``held``."""
+    sync, sampler = programs.sync, programs.sampler
+    pl.sync_bytes = sync.bytes_per_iteration()
+    adapters, full = pl.sync_bytes
+    pl.notes.append(
+        f"LoRA weight sync ({sync.mode}): {_mib(adapters)} moved per iteration with adapter "
+        f"sync, {_mib(full)} with a full sync ({full / max(adapters, 1):.0f}x)"
+    )
+    merged_sh = sampler.param_shardings
+    if sync.mode == "adapters":
+        base = _generate_copy(pl, "policy.generate.base", "policy.base", merged_sh)
+        held.append("policy.generate.base.copy")
+        trainable, _ = pl.trees["policy.params"]
+        adapters_gen = pl.add("policy.generate.adapters", trainable, sync.adapter_shardings)
+        live = [*held, "policy.generate.adapters"]
+        passed = ["policy.generate.base.copy", "policy.generate.base.shared"]
+        passed.append("policy.generate.adapters")
+        pl.compile(
+            "generate", "merge", sync.merge_generate, (base, adapters_gen), live=live, passed=passed
+        )
+    else:
+        frozen = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), *pl.trees["policy.base"])
+        trainable = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), *pl.trees["policy.params"])
+        pl.compile(
+            "generate",
+            "merge",
+            sync.merge_train,
+            (frozen, trainable),
+            live=held,
+            passed=["policy.base", "policy.params"],
+        )
+    abstract, _ = pl.trees["policy.base"]
+    merged = pl.add("policy.generate", abstract, merged_sh)
+    return merged, [*held, "policy.generate"], ["policy.generate"]
+
+
+def _plain_generate(pl: Planner, programs: RLPrograms) -> tuple[Any, Any]:
+    """The plain policy's abstract params and its shardings in the sampler's layout."""
+    return model_lib.abstract_params(pl.model_cfg), programs.sampler.param_shardings
+
+
+def _mib(n: int) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
+    """Prefill and decode, reading a generate-layout copy of the policy parameters (with
+    LoRA, the merged weights: :func:`_plan_lora_sync`)."""
+    sampler, cfg = programs.sampler, pl.cfg
+    if pl.generate_mesh is not pl.mesh:
+        pl.notes.append(
+            f"sampler on its own mesh {dict(pl.generate_mesh.shape)} (placement.generate_mesh); "
+            "its copy of the policy is counted on each of its devices, the training devices' "
+            "included (an upper bound: jax.device_put may reuse a training buffer there)"
+        )
+    if programs.hydra is not None:
+        trunk = pl.add("trunk", *pl.trees["trunk"])
+        policy = pl.add("policy.params", *pl.trees["policy.params"])
+        gen_params = pl.add("policy.generate", *_plain_generate(pl, programs))
+        pl.compile(
+            "generate",
+            "merge",
+            programs.sync.program,
+            (trunk, policy),
+            live=held,
+            passed=["trunk", "policy.params"],
+        )
+        gen_live, gen_passed = [*held, "policy.generate"], ["policy.generate"]
+    elif programs.sync is not None:
+        gen_params, gen_live, gen_passed = _plan_lora_sync(pl, programs, held)
+    else:
+        gen_params = _generate_copy(pl, "policy.generate", "policy.params", sampler.param_shardings)
+        gen_live = [*held, "policy.generate.copy"]
+        gen_passed = ["policy.generate.copy", "policy.generate.shared"]
+    pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
+    b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
+    statics = programs.sampling.static()
+    arrays = jax.tree.map(lambda x: sds(x.shape, x.dtype), programs.sampling.arrays())
+    if programs.engine is not None:
+        _plan_engine(pl, programs, gen_params, arrays, gen_live, gen_passed)
+        return
+    prompts = (sds((b, p_len), jnp.int32), sds((b, p_len), bool))
+    prefill_fn = sampler.prefill_program(statics, b, p_len)
+    prefill_args = (gen_params, *prompts, pl.key)
+    prefill = pl.compile(
+        "generate", "prefill", prefill_fn, prefill_args, live=gen_live, passed=gen_passed
+    )
+    sampler_state = jax.tree.map(
+        lambda a, s: sds(a.shape, a.dtype, s),
+        jax.eval_shape(prefill_fn, *prefill_args),
+        prefill.output_shardings,
+    )
+    pl.compile(
+        "generate",
+        "decode",
+        sampler.decode_program(statics, "scan", b, p_len),
+        (gen_params, sampler_state, arrays),
+        live=gen_live,
+        passed=gen_passed,
+    )
+
+
+def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
+    """The rollout engine's admission and decode-chunk programs on its slot state; a note
+    gives the slots' KV cache per device."""
+    engine, cfg = programs.engine, pl.cfg
+    r = programs.algo.rollout
+    p_len, t = cfg.data.max_prompt_length, r.max_new_tokens
+    sharding = engine.state_shardings(p_len, t)
+    abstract = jax.eval_shape(engine.empty_program(p_len, t))
+    state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, sharding)
+    a, n = engine.slots // r.num_samples, r.num_samples
+    admit_args = (
+        gen_params,
+        state,
+        sds((a, p_len), jnp.int32),
+        sds((a, p_len), bool),
+        sds((a * n,), jnp.int32),
+        sds((a * n, t), jnp.float32),
+        sds((a * n,), jnp.int32),
+    )
+    admit = engine.admit_program(n, a, p_len, t)
+    pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed)
+    chunk = engine.chunk_program(programs.sampling.static(), p_len)
+    pl.compile("generate", "decode", chunk, (gen_params, state, arrays), live=live, passed=passed)
+    rows, widths = engine.view_buckets(t)
+    views = [(rows[-1], w) for w in widths[:-1]] + [(r, t) for r in rows[:-1]]
+    views = views if engine.views else []
+    if views:  # the largest view's copy of the cache is the peak
+        local, width = max(views, key=lambda v: v[0] * v[1])
+        view = engine.view_chunk_program(programs.sampling.static(), p_len, local, width)
+        ids_sharding = sharding.done if sharding is not None else None
+        ids = sds((local * engine.slot_shards,), jnp.int32, ids_sharding)
+        view_args = (gen_params, state, arrays, ids)
+        pl.compile("generate", "decode view", view, view_args, live=live, passed=passed)
+    per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
+    size = (
+        f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"
+    )
+    pl.notes.append(
+        f"rollout engine: {engine.slots} slots of {p_len} + {t} tokens, {engine.chunk} steps "
+        f"per chunk; its KV cache holds {size} per device"
+        + (f"; up to {len(views)} smaller decode views compile on first use" if views else "")
+    )
+
+
+def _plan_score(pl, programs, held, models, rm_params):
+    """The reward model (if any), then the policy / reference / value forwards (``models``:
+    their abstract params as the score program takes them, and the trees they are); returns
+    the abstract rollout rows and the scored arrays (in the score program's output
+    shardings)."""
+    (policy_params, ref_params, value_params), passed = models
+    cfg, r = pl.cfg, programs.algo.rollout
+    rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
+    packed = programs.planner.score_rows or None  # packed: the largest size, the most memory
+    batch = jax.tree.map(
+        lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
+        abstract_rows(rows, length, packed=packed is not None),
+    )
+    if rm_params is not None:
+        args = (rm_params, batch.tokens, batch.mask, batch.packing, packed)
+        pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
+    score_args = (
+        policy_params,
+        ref_params,
+        value_params,
+        batch,
+        sds((rows,), jnp.float32, programs.rows(1)),
+        sds((), jnp.float32, pl.replicated),
+        packed,
+    )
+    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
+    scored = jax.tree.map(
+        lambda a, s: sds(a.shape, a.dtype, s),
+        jax.eval_shape(lambda *a: programs.score(*a, packed), *score_args[:-1]),
+        score.output_shardings,
+    )
+    return batch, scored
+
+
+def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple, list]:
+    """Registers the learners' trees (LoRA: adapters, optimizer and frozen bases; a critic
+    from the policy shares the policy's base) and the reference (LoRA: the policy's base).
+    Returns ``(held trees, states, frozen bases, [policy, reference, value] model params and
+    the trees the score program reads)``."""
+    if programs.hydra is not None:
+        return _hydra_learners(pl, programs)
+    policy_lora, value_lora = programs.policy_lora, programs.value_lora
+    if policy_lora is None:
+        policy = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
+        ref = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
+        held = ["policy.params", "policy.opt", "reference.params"]
+        models, passed = [policy.params, ref], ["policy.params", "reference.params"]
+        frozen = [None]
+    else:
+        policy, base = pl.lora(
+            "policy", policy_lora, programs.policy.optimizer, programs.policy_shardings
+        )
+        pl.notes.append("the reference is the LoRA base (no copy)")
+        held = ["policy.params", "policy.opt", "policy.base"]
+        models = [LoraParams(base, policy.params, None), base]
+        passed, frozen = ["policy.params", "policy.base"], [base]
+    states = [policy]
+    if programs.value is not None:
+        if value_lora is None:
+            value = pl.trained(
+                "value", "scalar", programs.value.optimizer, programs.value_shardings
+            )
+            held += ["value.params", "value.opt"]
+            models.append(value.params)
+            frozen.append(None)
+        else:
+            value = pl.trained(
+                "value",
+                "scalar",
+                programs.value.optimizer,
+                programs.value_shardings,
+                value_lora.trainable,
+            )
+            held += ["value.params", "value.opt"]
+            if programs.algo.critic_init == "policy":  # shares the policy's base decoder
+                value_base = {"decoder": frozen[0]["decoder"]}
+                pl.notes.append("the LoRA critic shares the policy's frozen base (no copy)")
+            else:
+                value_base = pl.frozen_tree("value.base", value_lora, "frozen critic weights")
+                held.append("value.base")
+                passed.append("value.base")
+            models.append(LoraParams(value_base, value.params, None))
+            frozen.append(value_base)
+        passed.append("value.params")
+        states.append(value)
+    else:
+        models.append(None)
+    return held, tuple(states), tuple(frozen), [tuple(models), passed]
+
+
+def _hydra_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple, list]:
+    """:func:`_rl_learners` of a Hydra critic: the trunk (frozen, shared by both learners and
+    the reference), both branches and the reference's branch; notes the critic's memory
+    against a separate critic's."""
+    hydra, mesh = programs.hydra, pl.mesh
+    policy = pl.trained(
+        "policy", "lm", programs.policy.optimizer, programs.policy_shardings, hydra.policy
+    )
+    value = pl.trained(
+        "value", "scalar", programs.value.optimizer, programs.value_shardings, hydra.value
+    )
+    trunk = pl.add("trunk", hydra.trunk, hydra.trunk_shardings)
+    pl.roles.append(
+        RoleMemory(
+            "trunk",
+            "-",
+            model_lib.param_count(trunk),
+            pl.nbytes("trunk"),
+            note=f"frozen, shared (layers below {hydra.branch_layer})",
+        )
+    )
+    ref = pl.add("reference.params", hydra.policy, hydra.policy_shardings)
+    pl.roles.append(
+        RoleMemory("reference", "lm", model_lib.param_count(ref), pl.nbytes("reference.params"))
+    )
+    # What a separate critic (the whole model, its optimizer state) would hold instead.
+    abstract = model_lib.abstract_params(pl.model_cfg, "scalar")
+    sh = param_shardings(pl.model_cfg, mesh, rules_for("value", "train"), "scalar")
+    state_sh = state_shardings(abstract, sh, programs.value.optimizer, mesh)
+    state = jax.eval_shape(lambda p: create_state(p, programs.value.optimizer), abstract)
+    pl.add("separate.critic", state, state_sh)  # as value.params + value.opt: all of it
+    hydra_bytes, separate = pl.nbytes("value.params", "value.opt"), pl.nbytes("separate.critic")
+    pl.critic_bytes = (hydra_bytes, separate)
+    pl.notes.append(
+        f"Hydra critic (branch from layer {hydra.branch_layer}): {_mib(hydra_bytes)} of "
+        f"params and optimizer state per device; a separate critic: {_mib(separate)}"
+    )
+    held = ["policy.params", "policy.opt", "value.params", "value.opt", "trunk"]
+    held.append("reference.params")
+    models = (combine(trunk, policy.params), combine(trunk, ref), combine(trunk, value.params))
+    passed = ["policy.params", "trunk", "reference.params", "value.params"]
+    return held, (policy, value), (trunk, trunk), [models, passed]
+
+
+def plan_rl(pl: Planner, layout: RunLayout) -> str:
+    """Generate (prefill, decode; with LoRA the merge), score (reward, score) and the update
+    of the run's ``RLPrograms``; the shapes line."""
+    cfg = pl.cfg
+    programs, rm_model, rm_note = _rl_programs(pl, layout)
+    algo, rl = programs.algo, layout.rl
+    held, states, frozen, models = _rl_learners(pl, programs)
+    rm_params = None
+    if programs.reward is not None:
+        rm_params = pl.frozen("reward", rm_model, "scalar", programs.reward_shardings, rm_note)
+        held.append("reward.params")
+    _plan_generate(pl, programs, held)
+
+    batch, scored = _plan_score(pl, programs, held, models, rm_params)
+    # -- train: epochs x minibatches x micro-batches of every learner ------------------------
+    rows = batch.tokens.shape[0]
+    kl_coef = sds((rows,), jnp.float32, pl.replicated)
+    behaviour = None
+    if algo.loss.rollout_correction.uses_behaviour:  # the sampler's log-probs, like the tokens
+        behaviour = sds(batch.tokens.shape, jnp.float32, programs.rows(2))
+    learner_batch = LearnerBatch.of(batch, scored, kl_coef, behaviour)
+    packed = programs.planner.update_rows or None  # the largest packed size
+    if packed is not None:
+        plan = sds((rows, algo.loss.epochs), jnp.int32, programs.rows(2))
+        learner_batch = learner_batch.replace(packing=RowPacking(plan, plan, plan))
+    learners = [n for n in held if n.startswith(("policy.", "value.")) and ".generate" not in n]
+    pl.compile(
+        "train",
+        "update",
+        programs.update,
+        (states, learner_batch, pl.key, frozen, packed),
+        live=held,
+        passed=learners,
+    )
+    loss, r = algo.loss, algo.rollout
+    return (
+        f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "
+        f"{cfg.data.max_prompt_length} prompt + {r.max_new_tokens} new tokens; update "
+        f"{loss.epochs} epoch(s) x {loss.num_minibatches} minibatch(es) x {rl.num_micro} "
+        f"micro-batch(es){_packing_line(programs)}"
+    )
+
+
+def _packing_line(programs: RLPrograms) -> str:
+    """Which phases pack sequences, into which sizes (memory is planned at the largest)."""
+    planner, parts = programs.planner, []
+    for phase, b in (("scoring", planner.score_rows), ("update", planner.update_rows)):
+        if b:
+            sizes = "/".join(map(str, bucket_sizes(b, planner.buckets)))
+            parts.append(f"{phase} {b} -> {sizes} rows per data shard")
+    if not parts:
+        return ""
+    return f"; sequences packed ({', '.join(parts)}; planned at the largest)"

@@ -1,0 +1,228 @@
+"""Multi-turn episodes in the rollout engine.
+
+Reference: each turn run as a fresh prompt with the whole history. The reference policy
+samples every token from a full forward (no KV cache) of the prompt and everything after it
+(earlier turns and observations), with the engine's random number for that row and column,
+and the same scripted environment answers its turns (:func:`run_episode`). The engine
+instead feeds observations into the slot's cache and decodes on; float32 sums differ in
+order, so log-probs agree to 1e-5 and the tokens are identical.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.data.tokenizer import CharTokenizer
+from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation.engine import Engine
+from jaxrlhf.generation.environment import Episode, EpisodeConfig, Episodes, Step, run_episode
+from jaxrlhf.generation.sampling import draw_uniforms, next_tokens
+from jaxrlhf.models import model as M
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.sharding import MeshConfig, make_mesh
+
+B, P, T, N = 3, 6, 30, 2
+STOP = tuple(range(40, 56))
+TOK = CharTokenizer()
+CFG = EpisodeConfig(max_turns=3, turn_tokens=6, timeout_s=30.0)
+
+
+class Counter:
+    """Answers each turn with ``<k>`` (k: the turn's length) until the third turn; its reward
+    is the turns' total length."""
+
+    def __init__(self, record):
+        self.total = record["bonus"]
+
+    def step(self, turn):
+        self.total += len(turn.token_ids)
+        if turn.index == 2:
+            return Step(reward=float(self.total))
+        return Step(observation=f"<{len(turn.token_ids)}>", reward=0.5, info={"obs": 1.0})
+
+
+def _episodes(make=Counter):
+    records = [{"bonus": float(i)} for i in range(B)]
+    return Episodes(make, records, CFG, TOK.encode, TOK.decode)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = ModelConfig.tiny()
+    params = M.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(60, 100, (B, P)).astype(np.int32)
+    mask = np.arange(P)[None] >= rng.integers(0, P - 1, B)[:, None]
+    return cfg, params, tokens, mask
+
+
+def _sampling():
+    return SamplingParams(
+        max_new_tokens=T,
+        n=N,
+        stop_token_ids=STOP,
+        pad_token_id=0,
+        return_model_logprobs=True,
+        temperature=0.9,
+    )
+
+
+def _reference(cfg, params, tokens, mask, key, sampling):
+    """Each row's episode with every token sampled from a fresh full forward of the whole
+    history: ``(rows' response ids, model masks, sequence masks, logprobs, rewards)``."""
+    module = M.build(cfg)
+    forward = jax.jit(lambda p, t, m: M.forward(module, p, t, m))
+    uniforms = np.asarray(draw_uniforms(key, B * N, T))
+    statics, arrays = sampling.static(), sampling.arrays()
+    out = []
+    for r in range(B * N):
+        prompt = tokens[r // N][mask[r // N]].tolist()
+        logprobs = np.zeros(T, np.float32)
+
+        def policy(history, budget, prompt=prompt, logprobs=logprobs, r=r):
+            turn = []
+            while len(turn) < budget:
+                ids = history + turn
+                seq = np.zeros((1, P + T), np.int32)
+                seq[0, : len(ids)] = ids
+                logits = forward(params, jnp.asarray(seq), jnp.arange(P + T)[None] < len(ids))
+                column = len(ids) - len(prompt)
+                tok, _, model_lp = next_tokens(
+                    logits[:, len(ids) - 1], jnp.asarray(uniforms[r, column])[None], arrays, statics
+                )
+                turn.append(int(tok[0]))
+                logprobs[column] = float(model_lp[0])
+                if int(tok[0]) in STOP:
+                    break
+            return turn
+
+        episode = Episode(Counter({"bonus": float(r // N)}), T, CFG, TOK.encode, TOK.decode)
+        row, model, seq = run_episode(episode, prompt, policy)
+        out.append((row, model, seq, logprobs, episode.reward))
+    return out
+
+
+def _engine_out(
+    sampler, params, tokens, mask, key, environments=None, slots=4, chunk=4, views=True
+):
+    return Engine(sampler, slots=slots, chunk=chunk, views=views).generate(
+        params, tokens, mask, key, _sampling(), environments=environments or _episodes()
+    )
+
+
+def test_multiturn_equals_fresh_prompts_with_the_whole_history(setup):
+    cfg, params, tokens, mask = setup
+    key = jax.random.key(7)
+    out = _engine_out(Sampler(cfg), params, tokens, mask, key)
+    f = out.finished
+    np.testing.assert_array_equal(f.rows, np.arange(B * N))
+    ref = _reference(cfg, params, tokens, mask, key, _sampling())
+    multi = 0
+    for r, (row, model, seq, logprobs, reward) in enumerate(ref):
+        length = len(row)
+        assert f.lengths[r] == length
+        np.testing.assert_array_equal(f.tokens[r, :length], row)
+        np.testing.assert_array_equal(f.response_mask[r], model)
+        np.testing.assert_array_equal(f.sequence_mask[r], seq)
+        np.testing.assert_allclose(f.model_logprobs[r], np.where(model, logprobs, 0), atol=1e-5)
+        assert f.rewards[r] == pytest.approx(reward)
+        multi += int(f.observations[r] > 0)
+    assert multi >= 4  # most rows had more than one turn
+    assert (f.turns >= 1).all() and (f.errors == 0).all()
+    assert out.episode_info[0]["obs"] == f.observations[0]
+    assert not f.response_mask[~f.sequence_mask].any()  # the loss mask is inside the sequence
+
+
+@pytest.mark.parametrize("data,tensor", [(1, 1), (4, 2)])
+def test_multiturn_views_decode_what_the_whole_state_decodes(setup, data, tensor):
+    """Chunks on views (the decoding slots: admitted or fed an observation; waiting slots
+    left out; the cache cut to ``step + chunk``) give the whole-state chunks' episodes. With
+    chunk 2 the widths are 15 and 30, so early chunks run on a cut cache."""
+    cfg, params, tokens, mask = setup
+    key = jax.random.key(9)
+    sampler, placed, slots = Sampler(cfg), params, 4
+    if data > 1:
+        sampler = Sampler(cfg, make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor)))
+        placed, slots = jax.device_put(params, sampler.param_shardings), 8
+    outs, used = {}, set()
+    for views in (True, False):
+        engine = Engine(sampler, slots=slots, chunk=2, views=views)
+        outs[views] = engine.generate(
+            placed, tokens, mask, key, _sampling(), environments=_episodes()
+        ).finished
+        if views:
+            used = {(k[-2], k[-1]) for k in engine._jitted if k[0] == "view"}
+    assert any(width < T for _, width in used)  # some chunks ran on a cut cache
+    assert any(rows < slots // data for rows, _ in used)  # and on fewer slots
+    a, b = outs[True], outs[False]
+    assert (a.observations > 0).sum() >= 4
+    np.testing.assert_array_equal(a.rows, b.rows)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.response_mask, b.response_mask)
+    np.testing.assert_array_equal(a.sequence_mask, b.sequence_mask)
+    np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
+
+
+def test_sharded_multiturn_equals_one_device(setup):
+    cfg, params, tokens, mask = setup
+    key = jax.random.key(8)
+    one = _engine_out(Sampler(cfg), params, tokens, mask, key).finished
+    sampler = Sampler(cfg, make_mesh(MeshConfig(data=4, fsdp=1, tensor=2)), matmul_block=64)
+    assert len(jax.devices()) == 8
+    placed = jax.device_put(params, sampler.param_shardings)
+    eight = _engine_out(sampler, placed, tokens, mask, key, slots=8).finished
+    np.testing.assert_array_equal(eight.rows, one.rows)
+    np.testing.assert_array_equal(eight.tokens, one.tokens)
+    np.testing.assert_array_equal(eight.response_mask, one.response_mask)
+    np.testing.assert_allclose(eight.model_logprobs, one.model_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(eight.rewards, one.rewards)
+
+
+class HangsOnFirstPrompt(Counter):
+    def __init__(self, record):
+        super().__init__(record)
+        self.hang = record["bonus"] == 0.0
+
+    def step(self, turn):
+        if self.hang:
+            time.sleep(5)
+        return super().step(turn)
+
+
+class BadConstructor:
+    def __init__(self, record):
+        raise KeyError("no such column")
+
+
+def test_a_hanging_environment_ends_its_episode_and_the_others_go_on(setup):
+    cfg, params, tokens, mask = setup
+    key = jax.random.key(7)
+    envs = Episodes(
+        HangsOnFirstPrompt,
+        [{"bonus": float(i)} for i in range(B)],
+        EpisodeConfig(max_turns=3, turn_tokens=6, timeout_s=0.5),
+        TOK.encode,
+        TOK.decode,
+    )
+    sampler = Sampler(cfg)
+    good = _engine_out(sampler, params, tokens, mask, key).finished  # compiles the programs
+    start = time.monotonic()
+    f = _engine_out(sampler, params, tokens, mask, key, environments=envs).finished
+    assert time.monotonic() - start < 4.5  # nobody waited for the 5 s steps
+    hung = f.rows // N == 0
+    assert (f.errors[hung] == 1).all() and (f.rewards[hung] == 0).all()
+    assert (f.errors[~hung] == 0).all()
+    for r in np.flatnonzero(hung):
+        text = TOK.decode(f.tokens[r][f.sequence_mask[r] & ~f.response_mask[r]])
+        assert text == "environment error: TimeoutError: environment step timed out"[: len(text)]
+    # The others match the run with a well-behaved environment.
+    np.testing.assert_array_equal(f.tokens[~hung], good.tokens[~hung])
+    bad = Episodes(BadConstructor, [{}] * B, CFG, TOK.encode, TOK.decode)
+    f = _engine_out(Sampler(cfg), params, tokens, mask, key, environments=bad).finished
+    assert (f.errors == 1).all() and (f.turns == 0).all() and (f.rewards == 0).all()
