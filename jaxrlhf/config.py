@@ -571,32 +571,92 @@ def _device_counts(
     try:
         return devices, train_device_count(placement, devices)
     except MeshError as e:
+        field, _, problem = str(e).partition(": ")
+        if field.startswith("placement."):  # a device group's own field
+            ctx.fail(field, problem)
         ctx.fail("placement.train_devices", str(e))
 
 
 def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
-    """Data shards of ``placement.generate_mesh`` (None: none); it must fit the devices and
+    """Data shards of the sampler's own mesh (``placement.generate_mesh``, or the sampler group
+    of a separated placement; None: none); it must fit the devices and
     split the prompts evenly. Like the ``ppo``/``grpo`` sections, it is unused by the other
     algorithms (so one override can serve every stage of a pipeline)."""
-    if cfg.placement.generate_mesh is None or cfg.algorithm not in RL_ALGORITHMS:
+    separated = cfg.placement.strategy != "colocated"
+    if separated and cfg.placement.sampler is None:  # interleaved: samples on the learner's
         return None
-    if cfg.placement.generate_mesh.axis_type != "auto":
+    if (cfg.placement.generate_mesh is None and not separated) or (
+        cfg.algorithm not in RL_ALGORITHMS
+    ):
+        return None
+    field = "placement.sampler.mesh" if separated else "placement.generate_mesh"
+    sampler_mesh = cfg.placement.sampler.mesh if separated else cfg.placement.generate_mesh
+    if sampler_mesh is not None and sampler_mesh.axis_type != "auto":
         ctx.fail(
-            "placement.generate_mesh.axis_type",
+            f"{field}.axis_type",
             "the sampler's sharding rules need 'auto' axes (jaxrlhf's rule-based sharding)",
         )
     try:
         shards = generate_shards(cfg.placement, devices)
     except MeshError as e:
-        ctx.fail("placement.generate_mesh", str(e))
+        ctx.fail(field, str(e))
     prompts = rl_section(cfg).rollout.prompts_per_step
     if prompts % shards:
         ctx.fail(
-            "placement.generate_mesh",
+            field,
             f"its {shards} data shard(s) (data x fsdp) do not divide "
             f"{cfg.algorithm}.rollout.prompts_per_step = {prompts}",
         )
     return shards
+
+
+def _check_interleaved(cfg: RunConfig, devices: int, train: int, ctx: _Context) -> None:
+    """An interleaved placement has a critic (PPO) whose group's data shards equal the
+    learner's (the two updates split the rollout alike)."""
+    placement = cfg.placement
+    if placement.strategy != "interleaved":
+        return
+    if cfg.algorithm != "ppo":
+        ctx.fail("placement.strategy", "interleaved puts the critic on its own devices: ppo only")
+    if cfg.ppo.hydra:
+        ctx.fail(
+            "placement.strategy",
+            "interleaved puts the critic on its own devices, but a Hydra critic "
+            "(ppo.value.branch_layer) shares the policy's trunk; use colocated or separated",
+        )
+    from jaxrlhf.sharding.placement import role_devices, role_mesh_config
+
+    try:
+        size = len(role_devices(placement, devices)["critic"])
+        critic = resolve_mesh_shape(role_mesh_config(placement, "critic", cfg.mesh), size)
+        learner = resolve_mesh_shape(cfg.mesh, train)
+    except MeshError as e:
+        ctx.fail("placement.critic", str(e))
+    if critic[0] * critic[1] != learner[0] * learner[1]:
+        ctx.fail(
+            "placement.critic",
+            f"its {critic[0] * critic[1]} data shard(s) differ from the learner's "
+            f"{learner[0] * learner[1]}",
+        )
+
+
+def _check_staleness(cfg: RunConfig, ctx: _Context) -> None:
+    """Weights synced every k updates are up to k - 1 versions old: the staleness bound must
+    allow it; asynchronous RL scores rewards with functions (the reward model would run on
+    the learner's devices from the sampler's thread)."""
+    algo, every = rl_section(cfg), cfg.placement.weight_sync_every
+    k = algo.rollout.max_staleness
+    if every - 1 > k:
+        ctx.fail(
+            "placement.weight_sync_every",
+            f"{every} lets the sampler's weights fall {every - 1} version(s) behind; set "
+            f"{cfg.algorithm}.rollout.max_staleness >= {every - 1}",
+        )
+    if k and algo.reward.model_dir is not None:
+        ctx.fail(
+            f"{cfg.algorithm}.rollout.max_staleness",
+            "asynchronous RL scores with a reward function; reward.model_dir needs 0",
+        )
 
 
 def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Context) -> None:
@@ -693,6 +753,7 @@ def validate(
     generate = _generate_shards(cfg, devices, ctx)
     rl = None
     if cfg.algorithm in RL_ALGORITHMS:
+        _check_interleaved(cfg, devices, train, ctx)
         # RL batches are rollouts: train.batch_size is unused.
         try:
             rl = rl_layout(
@@ -707,6 +768,9 @@ def validate(
         for note in rl.notes:
             logger.warning("%s: %s", ctx.source_of(f"{cfg.algorithm}.rollout"), note)
         _check_engine(cfg, generate or shards, devices, ctx)
+        _check_staleness(cfg, ctx)
+        if cfg.placement.strategy == "interleaved":  # the critic's values are scored apart
+            rl = dataclasses.replace(rl, reuse_value_forward=False)
         num_micro = rl.num_micro
     else:
         num_micro = _supervised_micro_batches(cfg, shards, ctx)

@@ -262,7 +262,10 @@ def _walk(cls: type, instance: Any, path: str) -> Iterator[Section]:
             continue
         section = _optional_section(hints[f.name])
         if value is None and section is not None:  # ``lora: null`` by default: its own table
-            nested.append((f, section()))
+            try:
+                nested.append((f, section()))
+            except ValueError:  # no valid default (a placement group): its row alone
+                pass
         required = value is dataclasses.MISSING
         rows.append(
             Field(

@@ -17,6 +17,18 @@ can call it too (first thing, before any JAX computation).
   match; accelerators keep the plain kernels (blocks are unmeasured there).
 * **One program in flight.** :func:`serialize_programs` waits for a tree when the mesh is
   on CPU devices (see its docstring for the deadlock it avoids).
+* **Programs in flight at once.** :func:`cpu_client_threads` / :func:`set_cpu_client_threads`:
+  the XLA:CPU client runs each device's share of a multi-device program as a task on one
+  thread pool of ``max(NPROC or cores, devices)`` threads, and a share that reaches a
+  collective blocks its thread in a rendezvous until every share of that program arrives.
+  The pool is sized for *one* program spanning every device: with two multi-device
+  programs in flight (on disjoint devices or not) the blocked shares of both can hold every
+  thread while a share the rendezvous waits for is still queued, and XLA aborts the process
+  after 40 s (``benchmarks/cpu_concurrency.py`` reproduces it: 4 + 4 devices of 8 deadlock
+  with 8 threads and run with 16; 8 + 8 need 24). Single-device programs run on the calling
+  thread and never wait for another share. Asynchronous RL on CPU therefore needs either a
+  one-device sampler (or learner) or ``NPROC`` of at least twice the devices both programs
+  span, set before JAX starts; the trainer checks it.
 * **Host memory.** :func:`reuse_freed_host_memory`, below.
 
 Host memory. XLA:CPU allocates each execution's temporary buffer (all of a step's
@@ -139,6 +151,36 @@ def set_cpu_devices(count: int) -> str | None:
     except RuntimeError:
         return "JAX has already started"
     return None
+
+
+CLIENT_THREADS_ENV = "NPROC"  # read by XLA's DefaultThreadPoolSize() when the client starts
+
+
+def cpu_client_threads() -> int:
+    """Threads of the XLA:CPU client's pool: ``max(NPROC or usable cores, devices)``."""
+    try:
+        threads = int(os.environ.get(CLIENT_THREADS_ENV, ""))
+    except ValueError:
+        threads = usable_cores()
+    return max(threads, jax.local_device_count())
+
+
+def set_cpu_client_threads(count: int) -> str | None:
+    """Sizes the XLA:CPU client's thread pool (``NPROC``) for programs in flight at once; call
+    it before JAX starts. Returns None when set, else why not."""
+    if _backends_started():
+        return "JAX has already started"
+    os.environ[CLIENT_THREADS_ENV] = str(count)
+    return None
+
+
+def concurrent_programs_fit(devices_a: int, devices_b: int) -> bool:
+    """Whether two programs over ``devices_a`` and ``devices_b`` CPU devices can be in flight
+    at once without starving the client's pool (module docstring): one of them runs on a
+    single device, or the pool has twice the devices they span."""
+    if min(devices_a, devices_b) <= 1:
+        return True
+    return cpu_client_threads() >= 2 * (devices_a + devices_b)
 
 
 def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:

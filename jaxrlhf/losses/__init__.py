@@ -29,6 +29,12 @@ from jaxrlhf.losses.common import (
     sequence_logprobs,
     token_logprobs,
 )
+from jaxrlhf.losses.correction import (
+    IS_LEVELS,
+    IS_MODES,
+    decoupled_ppo_loss,
+    importance_weights,
+)
 from jaxrlhf.losses.ilql import (
     ilql_awac_loss,
     ilql_cql_loss,
@@ -74,6 +80,8 @@ __all__ = [
     "AGGREGATIONS",
     "DPO_LOSS_TYPES",
     "F_DIVERGENCES",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "KTO_LOSS_TYPES",
     "AdaptiveKLState",
@@ -86,6 +94,7 @@ __all__ = [
     "bco_pair_loss",
     "bradley_terry_loss",
     "broadcast_sequence_advantages",
+    "decoupled_ppo_loss",
     "discounted_returns",
     "dpo_loss",
     "dr_grpo_advantages",
@@ -95,6 +104,7 @@ __all__ = [
     "gae_advantages",
     "grpo_advantages",
     "ilql_awac_loss",
+    "importance_weights",
     "ilql_cql_loss",
     "ilql_loss",
     "ilql_q_loss",

@@ -33,6 +33,7 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     behaviour_logprobs: Float[Array, "B T"] | None = None,
     tis_cap: float | None = None,
+    token_weights: Float[Array, "B T"] | None = None,
     aggregation: str = "token_mean",
     norm_constant: float | None = None,
 ) -> tuple[Scalar, Metrics]:
@@ -43,11 +44,14 @@ def ppo_policy_loss(
         l   = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))      # clip-higher (DAPO)
         l   = min(l, -A c)           if A < 0 and dual_clip = c > 1      # dual-clip (Ye et al.)
         l  *= min(exp(logp_old - logp_behaviour), tis_cap)              # TIS, if behaviour given
+        l  *= w                                                         # token_weights, if given
 
     The truncated importance weight (TIS; Yao et al. 2025, verl ``tis_imp_ratio_cap``) corrects
     for rollouts sampled by an engine whose log-probs ``logp_behaviour`` differ from the
     trainer's recomputed ``logp_old``; it is a constant. ``tis_cap=None`` leaves the weight
-    untruncated. Log-ratios are clamped to [-20, 20] before ``exp``.
+    untruncated. ``token_weights`` multiplies each token's loss by a given constant weight (the
+    bounded importance weights of ``jaxrlhf.losses.correction``). Log-ratios are clamped to
+    [-20, 20] before ``exp``.
 
     Args:
         logprobs: current policy log-probs of the sampled tokens (receives gradients).
@@ -59,6 +63,7 @@ def ppo_policy_loss(
         dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-A c``.
         behaviour_logprobs: log-probs from the sampling engine; enables the TIS weight.
         tis_cap: truncation of the TIS weight.
+        token_weights: per-token constant weights (e.g. ``importance_weights``), or None.
         aggregation: see ``aggregate_loss``.
         norm_constant: denominator for ``aggregation="token_sum_norm"``.
 
@@ -105,6 +110,9 @@ def ppo_policy_loss(
             weight = jnp.minimum(weight, tis_cap)
         metrics["tis/weight_mean"] = masked_mean(weight, mask)
         pg = pg * weight
+
+    if token_weights is not None:
+        pg = pg * jax.lax.stop_gradient(jnp.where(mask, as_float(token_weights), 0.0))
 
     loss = aggregate_loss(pg, mask, aggregation=aggregation, norm_constant=norm_constant)
     ratio_c = jax.lax.stop_gradient(ratio)

@@ -66,7 +66,12 @@ from jaxrlhf.config import (
     validate,
 )
 from jaxrlhf.sharding import MeshConfig, MeshError, make_mesh
-from jaxrlhf.sharding.placement import PlacementConfig, train_device_count
+from jaxrlhf.sharding.placement import (
+    PlacementConfig,
+    role_devices,
+    role_mesh_config,
+    train_device_count,
+)
 from jaxrlhf.train import dry_run_phases as phases
 from jaxrlhf.train import dry_run_rl
 from jaxrlhf.train.dry_run_phases import DryRunError, ProgramMemory, RoleMemory
@@ -308,6 +313,15 @@ def plan(
     gen_mesh = mesh
     if placement.generate_mesh is not None and cfg.algorithm in RL_ALGORITHMS:
         gen_mesh = make_mesh(placement.generate_mesh, devices=devices)
+    if placement.strategy != "colocated":  # the learner's and the sampler's groups
+        # (an interleaved critic is planned on the learner's group: same shapes per device)
+        groups = role_devices(placement, len(devices))
+        learner = [devices[i] for i in groups["learner"]]
+        mesh = make_mesh(role_mesh_config(placement, "learner", cfg.mesh), learner)
+        gen_mesh = mesh
+        if "sampler" in groups and cfg.algorithm in RL_ALGORITHMS:
+            sampler = [devices[i] for i in groups["sampler"]]
+            gen_mesh = make_mesh(role_mesh_config(placement, "sampler", cfg.mesh), sampler)
     layout = validate(
         cfg,
         len(devices),

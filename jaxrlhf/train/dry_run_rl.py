@@ -374,7 +374,10 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
     rows = batch.tokens.shape[0]
     kl_coef = sds((rows,), jnp.float32, pl.replicated)
-    learner_batch = LearnerBatch.of(batch, scored, kl_coef)
+    behaviour = None
+    if algo.loss.rollout_correction.uses_behaviour:  # the sampler's log-probs, like the tokens
+        behaviour = sds(batch.tokens.shape, jnp.float32, programs.rows(2))
+    learner_batch = LearnerBatch.of(batch, scored, kl_coef, behaviour)
     packed = programs.planner.update_rows or None  # the largest packed size
     if packed is not None:
         plan = sds((rows, algo.loss.epochs), jnp.int32, programs.rows(2))

@@ -145,6 +145,9 @@ def _finish(trainer: Trainable, run_dir: str, history: list[dict[str, Any]], mai
         trainer.export(hf_dir)
         if main:
             logger.info("exported the trained model in Hugging Face format to %s", hf_dir)
+    timeline = getattr(trainer, "timeline", None)
+    if main and timeline is not None:
+        logger.info("wrote %s", timeline.write(run_dir, plot=cfg.logging.plot))
     if main and cfg.logging.plot:
         title = f"{cfg.algorithm}: {os.path.basename(os.path.normpath(run_dir))}"
         path = plot_history(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrlhf.losses import AGGREGATIONS, KL_ESTIMATORS
+from jaxrlhf.losses import AGGREGATIONS, IS_LEVELS, IS_MODES, KL_ESTIMATORS
 
 GRPO_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 ENGINES = ("static", "continuous")
 KL_MODES = ("reward", "loss")
+IS_WEIGHTS = ("none", *IS_MODES)
+PROXIMALS = ("learner", "behaviour")
 CRITIC_INITS = ("policy", "reward_model")
 
 
@@ -82,6 +84,13 @@ class RolloutConfig:
       turn_tokens: a model turn's token budget (None: the episode's).
       env_timeout_s: an environment step that takes longer ends its episode with an error
         observation and reward 0.
+      max_staleness: asynchronous RL: the sampler produces the next batches with weights up
+        to this many policy versions old while the learner trains (0: synchronous, each batch
+        sampled by the policy it updates). Each sample's policy version is logged
+        (``rollout/policy_version``, ``rollout/staleness``); ``loss.rollout_correction``
+        corrects for the difference. Checkpoints drain: the sampler takes no weights older
+        than the last ``checkpoint.every`` boundary, so nothing is in flight when one is
+        saved and a resumed run repeats the uninterrupted one (docs/sharding.md).
     """
 
     prompts_per_step: int = 16
@@ -106,8 +115,21 @@ class RolloutConfig:
     max_turns: int = 4
     turn_tokens: int | None = None
     env_timeout_s: float = 30.0
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if (
+            self.max_staleness
+            and self.engine == "continuous"
+            and self.stream_scoring
+            and self.environment is None  # (multi-turn episodes are never streamed)
+        ):
+            raise ValueError(
+                "max_staleness: streamed scoring runs the learner's forwards while the engine "
+                "decodes; set stream_scoring: false for asynchronous RL"
+            )
         _positive(
             self,
             "prompts_per_step",
@@ -170,6 +192,58 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Off-policy correction between the sampler's policy and the learner's
+    (``jaxrlhf.losses.correction``, docs/losses.md): the sampler computes the same model in
+    another layout, and with ``rollout.max_staleness >= 1`` samples with older weights.
+
+    Attributes:
+      weights: ``"none"``; ``"truncate"`` (TIS: ``min(rho, cap)``) or ``"mask"`` (MIS: ``rho``
+        inside ``[floor, cap]``, else 0), ``rho = pi_prox / mu`` from the behaviour log-probs
+        the sampler kept per token. With ``proximal: learner`` this is decoupled PPO.
+      level: ``"token"`` (a ratio per token) or ``"sequence"`` (the row's product of ratios).
+      cap, floor: the bounds (``floor`` only with ``mask``; 0: none).
+      proximal: what the clipped ratio is taken against: ``"learner"``, the policy's
+        log-probs recomputed by the learner at the parameters the update starts from (the
+        rollout's ``old_logprobs``, as in every synchronous run); ``"behaviour"``, the
+        sampler's own log-probs (classic off-policy PPO; needs ``weights: none``).
+    """
+
+    weights: str = "none"
+    level: str = "token"
+    cap: float = 2.0
+    floor: float = 0.0
+    proximal: str = "learner"
+
+    def __post_init__(self) -> None:
+        for name, choices in (
+            ("weights", IS_WEIGHTS),
+            ("level", IS_LEVELS),
+            ("proximal", PROXIMALS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"{name}: expected one of {list(choices)}, got {getattr(self, name)!r}"
+                )
+        if not self.cap > 0:
+            raise ValueError(f"cap: must be > 0, got {self.cap}")
+        if not 0 <= self.floor < self.cap:
+            raise ValueError(f"floor: must be in [0, cap), got {self.floor}")
+        if self.floor and self.weights != "mask":
+            raise ValueError("floor: only weights: mask uses a lower bound")
+        if self.proximal == "behaviour" and self.weights != "none":
+            raise ValueError(
+                "proximal: 'behaviour' clips against the sampler's policy itself; the "
+                "importance weights need proximal: learner"
+            )
+
+    @property
+    def uses_behaviour(self) -> bool:
+        """Whether the loss reads the sampler's per-token log-probs."""
+        return self.weights != "none" or self.proximal == "behaviour"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
     """The clipped policy objective shared by PPO and the GRPO family.
 
@@ -188,6 +262,8 @@ class PolicyLossConfig:
       kl_target: with ``kl_mode: reward``, adapt ``beta`` toward this KL per sequence
         (Ziegler et al.); None keeps it fixed.
       kl_horizon: the adaptive controller's horizon in rollout rows.
+      rollout_correction: importance weights between the sampler's and the learner's
+        policies, and what the ratio is clipped against (:class:`RolloutCorrectionConfig`).
     """
 
     epochs: int = 1
@@ -202,6 +278,9 @@ class PolicyLossConfig:
     kl_estimator: str = "k1"
     kl_target: float | None = None
     kl_horizon: int = 10000
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(
+        default_factory=RolloutCorrectionConfig
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "epochs", "num_minibatches", "kl_horizon")
@@ -380,6 +459,10 @@ class GRPOConfig:
             )
         if self.max_refills < 0:
             raise ValueError(f"max_refills: must be >= 0, got {self.max_refills}")
+        if self.dynamic_sampling and self.rollout.max_staleness:
+            raise ValueError(
+                "dynamic_sampling: refills sample on demand; it needs rollout.max_staleness: 0"
+            )
         _check_environment_reward(self.rollout, self.reward)
 
 

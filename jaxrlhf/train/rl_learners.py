@@ -127,10 +127,15 @@ def _hydra_learner(
 
 
 def learners(
-    cfg: RunConfig, layout: RunLayout, model: ModelConfig, mesh: Mesh
+    cfg: RunConfig,
+    layout: RunLayout,
+    model: ModelConfig,
+    mesh: Mesh,
+    critic_mesh: Mesh | None = None,
 ) -> tuple[LearnerSetup, LearnerSetup | None, HydraLayout | None]:
     """``(policy, critic or None, the Hydra layout or None)``; with ``lora:`` both train
-    adapters, with a Hydra critic both train their branch of the shared trunk."""
+    adapters, with a Hydra critic both train their branch of the shared trunk. The critic
+    lives on ``critic_mesh`` (``placement.strategy: interleaved``; None: ``mesh``)."""
     algo, rl, spec = rl_section(cfg), layout.rl, lora_spec(cfg)
     r, group = algo.rollout.max_new_tokens, rl.groups.update
     policy_objective = rl_steps.policy_objective(algo.loss, group)
@@ -156,5 +161,15 @@ def learners(
     policy = _learner(
         model, mesh, "policy", cfg.optimizer, rl.updates, policy_objective, r, layout, spec
     )
-    value = _learner(model, mesh, "value", critic_opt, rl.updates, value_objective, r, layout, spec)
+    value = _learner(
+        model,
+        critic_mesh or mesh,
+        "value",
+        critic_opt,
+        rl.updates,
+        value_objective,
+        r,
+        layout,
+        spec,
+    )
     return policy, value, None

@@ -40,6 +40,7 @@ from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.rewards.model import reward_model_scores
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import put_global, to_host
+from jaxrlhf.sharding.micro_batches import map_micro
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.sharding.rules import TRAIN
 from jaxrlhf.train import rl_steps, steps
@@ -115,6 +116,13 @@ class RLPrograms:
         frozen part is then its trunk.
       reference_abstract: the reference's abstract params.
       engine: the rollout engine (``rollout.engine: continuous``), else None.
+      critic_mesh: ``placement.strategy: interleaved``: the critic's own mesh (its learner,
+        value forward and update live there; ``update`` is then the policy's alone), else
+        None.
+      score_values: interleaved: ``(value_params, rows, packed_rows) -> [N, T]`` values on
+        the critic mesh (rows sequence-packed by scoring's plan, like ``score``).
+      update_value: interleaved: the critic's ``update`` on its mesh (same shuffling key,
+        same minibatches, same packing plan: the joint update's math).
     """
 
     algo: PPOConfig | GRPOConfig
@@ -141,6 +149,17 @@ class RLPrograms:
     hydra: HydraLayout | None = None
     reference_abstract: Any = None
     engine: Engine | None = None
+    critic_mesh: Mesh | None = None
+    score_values: Callable[..., jax.Array] | None = None
+    update_value: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]] | None = None
+
+    def critic_rows(self, ndim: int) -> NamedSharding:
+        """Rollout rows split over the critic mesh's data shards (``interleaved``)."""
+        return steps.batch_sharding(self.critic_mesh, rules_for("value", "score"), ndim)
+
+    def put_critic_rows(self, tree: Any) -> Any:
+        """A pytree of ``[N, ...]`` rows (host or device) on the critic mesh."""
+        return jax.device_put(tree, jax.tree.map(lambda x: self.critic_rows(np.ndim(x)), tree))
 
     def rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the training mesh's data shards (score rules)."""
@@ -225,11 +244,13 @@ def _scoring(
     joint: RolloutForward | None,
     mesh: Mesh,
     shards: int,
+    critic_apart: bool = False,
 ) -> Scoring:
     """The score program's function: every forward packs scoring's prompt groups, or its
     sequences (``rl.packing.score`` rows per shard of ``shards``). Old log-probs and values
     come from the learners' own (train-rule) modules, so the first minibatch's forward is
-    the scoring forward's computation (its ratio is 1)."""
+    the scoring forward's computation (its ratio is 1). ``critic_apart``: the critic's values
+    are scored on its own mesh (``interleaved``), not here."""
     group = rl.groups.score
 
     def scoring(forward: RolloutForward | None) -> RolloutForward | None:
@@ -239,7 +260,9 @@ def _scoring(
         algo=algo,
         reference=scoring(reference),
         policy=None if rl.reuse_policy_forward else scoring(policy.module),
-        value=None if value is None or rl.reuse_value_forward else scoring(value.module),
+        value=None
+        if value is None or rl.reuse_value_forward or critic_apart
+        else scoring(value.module),
         has_critic=value is not None,
         num_micro=rl.score_micro,
         row_group=group,
@@ -259,6 +282,7 @@ def build_rl_programs(
     *,
     reward_model: ModelConfig | None = None,
     matmul_block: int | None = None,
+    critic_mesh: Mesh | None = None,
 ) -> RLPrograms:
     """Jits every program of an RL run.
 
@@ -270,10 +294,14 @@ def build_rl_programs(
       sampling: the sampling parameters the sampler's programs are compiled for.
       reward_model: the reward model's architecture when ``reward.model_dir`` is set.
       matmul_block: the sampler's decode weight blocks (None: the platform's choice).
+      critic_mesh: the critic's own mesh (``interleaved``); None: ``mesh``.
     """
     algo, rl = rl_section(cfg), layout.rl
     r = algo.rollout.max_new_tokens
-    policy_setup, value_setup, hydra = learners(cfg, layout, model, mesh)
+    apart = critic_mesh is not None
+    policy_setup, value_setup, hydra = learners(cfg, layout, model, mesh, critic_mesh)
+    if apart and hydra is not None:
+        raise ValueError("placement.strategy: interleaved cannot split a Hydra critic's trunk")
     policy, policy_sh = policy_setup.learner, policy_setup.shardings
     value = None if value_setup is None else value_setup.learner
     value_sh = None if value_setup is None else value_setup.shardings
@@ -282,33 +310,22 @@ def build_rl_programs(
     joint = None
     if hydra is not None:
         joint = hydra_forward(model, mesh, TRAIN, hydra.branch_layer, HYDRA_HEADS, r, 1)
-    scoring = _scoring(algo, rl, reference, policy, value, joint, mesh, layout.data_shards)
-    replicated = NamedSharding(mesh, P())
+    scoring = _scoring(algo, rl, reference, policy, value, joint, mesh, layout.data_shards, apart)
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
-    setups = (policy_setup,) + (() if value_setup is None else (value_setup,))
-    state_sh = tuple(s.shardings for s in setups)
-    frozen_sh = tuple(s.frozen_shardings for s in setups)
-    update = jax.jit(
-        functools.partial(
-            rl_steps.rl_update,
-            learners=tuple(s.learner for s in setups),
-            epochs=algo.loss.epochs,
-            num_minibatches=algo.loss.num_minibatches,
-            num_micro=rl.num_micro,
-            mesh=mesh,
-        ),
-        in_shardings=(state_sh, None, replicated, frozen_sh),
-        out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
-        donate_argnums=0,  # the old states' buffers are reused for the new ones
-        static_argnums=4,  # packed_rows
-    )
+    together = value_setup is not None and not apart
+    setups = (policy_setup,) + ((value_setup,) if together else ())
+    update = _update_program(algo, rl, setups, mesh)
+    score_values = update_value = None
+    if apart:
+        score_values = _values_program(rl, value_setup, critic_mesh, layout.data_shards)
+        update_value = _update_program(algo, rl, (value_setup,), critic_mesh)
     reward = reward_sh = None
     if reward_model is not None:
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
     model_sh = (
         policy_setup.model_shardings,
         ref_sh,
-        None if value_setup is None else value_setup.model_shardings,
+        None if value_setup is None or apart else value_setup.model_shardings,
     )
     abstract_models = (
         policy_setup.abstract_model,
@@ -351,6 +368,65 @@ def build_rl_programs(
         hydra=hydra,
         reference_abstract=ref_abstract,
         engine=_engine(algo, sampler),
+        critic_mesh=critic_mesh,
+        score_values=score_values,
+        update_value=update_value,
+    )
+
+
+def _update_program(
+    algo: PPOConfig | GRPOConfig,
+    rl: RLLayout,
+    setups: tuple[LearnerSetup, ...],
+    mesh: Mesh,
+) -> Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]]:
+    """The jitted ``rl_update`` of ``setups``' learners on ``mesh``: ``(states, batch, key,
+    frozen, packed_rows)``, the states donated."""
+    replicated = NamedSharding(mesh, P())
+    rows2 = steps.batch_sharding(mesh, rules_for("policy", "score"), 2)
+    state_sh = tuple(s.shardings for s in setups)
+    frozen_sh = tuple(s.frozen_shardings for s in setups)
+    return jax.jit(
+        functools.partial(
+            rl_steps.rl_update,
+            learners=tuple(s.learner for s in setups),
+            epochs=algo.loss.epochs,
+            num_minibatches=algo.loss.num_minibatches,
+            num_micro=rl.num_micro,
+            mesh=mesh,
+        ),
+        in_shardings=(state_sh, None, replicated, frozen_sh),
+        out_shardings=(state_sh, UpdateOutput(metrics=replicated, outputs=rows2)),
+        donate_argnums=0,  # the old states' buffers are reused for the new ones
+        static_argnums=4,  # packed_rows
+    )
+
+
+def _values_program(
+    rl: RLLayout, critic: LearnerSetup, mesh: Mesh, shards: int
+) -> Callable[..., jax.Array]:
+    """``interleaved``: the critic's scoring forward on its own mesh, ``(value_params, rows,
+    packed_rows) -> [N, T]`` values (sequence-packed like scoring's forwards)."""
+    rules = rules_for("value", "score")
+    forward = phase_forward(critic.learner.module, rl.groups.score, rl.packing.score, shards)
+    rows2 = steps.batch_sharding(mesh, rules, 2)
+
+    def values(params: Any, rows: RolloutRows, packed_rows: int | None = None) -> jax.Array:
+        f = forward.with_packed_rows(packed_rows)
+        return map_micro(
+            lambda r: f.values(params, r.tokens, r.mask, r.packing),
+            rows,
+            rl.score_micro,
+            mesh,
+            rules,
+            rl.groups.score,
+        )
+
+    return jax.jit(
+        values,
+        in_shardings=(critic.model_shardings, RolloutRows(rows2, rows2, rows2, None)),
+        out_shardings=rows2,
+        static_argnums=2,  # packed_rows
     )
 
 

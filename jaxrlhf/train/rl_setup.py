@@ -81,6 +81,8 @@ def _lora_value(programs: RLPrograms, policy_frozen: Any, key: jax.Array) -> tup
         frozen, _ = lora_lib.split_params(params)
     else:
         frozen = {"decoder": policy_frozen["decoder"]}
+        if programs.critic_mesh is not None:  # interleaved: a copy on the critic's devices
+            frozen = jax.device_put(frozen, {"decoder": lora.frozen_shardings["decoder"]})
     adapters = model_lib.init_adapters(
         model, lora.spec, key, lora_lib.adapters_only(lora.trainable_shardings)
     )

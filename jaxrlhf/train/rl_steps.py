@@ -54,6 +54,11 @@ def policy_loss(
 ) -> tuple[jax.Array, steps.LossAux]:
     """Clipped surrogate (+ KL loss term, - entropy bonus) on one micro-batch.
 
+    With ``loss.rollout_correction`` the surrogate is decoupled PPO: clipped against the old
+    (proximal) log-probs and weighted by the bounded importance weights ``pi_old / mu`` from
+    ``batch.behaviour_logprobs`` (``is/*`` metrics), or clipped against the behaviour
+    log-probs themselves (``proximal: behaviour``).
+
     Without ``batch.old_logprobs`` (``reuse_policy_forward``) the old log-probs are this
     forward's, under ``stop_gradient``; the metrics then also carry the rollout's KL
     (``kl/seq_mean``, ``kl/token_mean``, which scoring reports otherwise) and the outputs the
@@ -64,18 +69,33 @@ def policy_loss(
     norm = _norm_constant(cfg, batch, forward.max_new_tokens)
     reused = batch.old_logprobs is None
     old = jax.lax.stop_gradient(logp) if reused else batch.old_logprobs
+    rc = cfg.rollout_correction
+    proximal = batch.behaviour_logprobs if rc.proximal == "behaviour" else old
+    weights, is_metrics = None, {}
+    if rc.weights != "none":
+        weights, is_metrics = losses.importance_weights(
+            old,
+            batch.behaviour_logprobs,
+            resp,
+            mode=rc.weights,
+            level=rc.level,
+            cap=rc.cap,
+            floor=rc.floor,
+        )
     loss, m = losses.ppo_policy_loss(
         logp,
-        old,
+        proximal,
         batch.advantages,
         resp,
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip,
+        token_weights=weights,
         aggregation=cfg.aggregation,
         norm_constant=norm,
     )
-    metrics = {
+    metrics = {f"is/{k}": v for k, v in is_metrics.items()}
+    metrics |= {
         "loss/policy": loss,
         "policy/clip_frac": m["clip_frac"],
         "policy/approx_kl": m["approx_kl"],

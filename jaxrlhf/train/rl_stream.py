@@ -119,7 +119,8 @@ class StreamedScoring:
             programs.score_forwards(
                 trainer.policy_params,
                 trainer.ref_params,
-                trainer.value_params,
+                # interleaved: the critic's values are scored on its mesh after the rollout
+                None if programs.critic_mesh is not None else trainer.value_params,
                 programs.put_rows(device_rows),
                 plan and plan.rows,
             )

@@ -7,10 +7,17 @@ score it (:class:`~jaxrlhf.train.rl_types.Scored`), and update the policy (and c
 Every phase is timed (after ``block_until_ready``) and reshards report the bytes they move.
 The host loop (``jaxrlhf.train.loop``) drives it through the same small protocol as the
 supervised trainers: ``step``, ``snapshot``, ``restore``, ``export``.
+
+Rollouts come from a :class:`~jaxrlhf.train.rl_async.RolloutProducer`: inline before each
+update (``rollout.max_staleness: 0``), or ahead of the learner on a host thread with weights
+up to k versions old. With ``placement.strategy: interleaved`` the critic's value forward and
+update run on its own devices beside the policy's (``_score_interleaved``,
+``_update_interleaved``). Every phase is recorded on the ``timeline``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -20,7 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import losses
 from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section, validate
@@ -48,12 +56,13 @@ from jaxrlhf.rewards import (
     shape_scores,
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
-from jaxrlhf.sharding.placement import generate_mesh, given_mesh, train_mesh
+from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
 from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
 from jaxrlhf.train.hydra_setup import plain_policy
 from jaxrlhf.train.model_setup import model_with_tokenizer_ids
+from jaxrlhf.train.rl_async import RolloutProducer, check_concurrency
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_setup import (
@@ -65,6 +74,7 @@ from jaxrlhf.train.rl_setup import (
 from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
 from jaxrlhf.train.state import TrainState
+from jaxrlhf.train.timeline import Timeline
 from jaxrlhf.train.trainable import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -93,6 +103,9 @@ class RLTrainer:
       last_scored: the last iteration's scored arrays, with what the update's forwards
         computed in place of scoring filled in (for inspection: tests, notebooks).
       env_factory: ``rollout.environment``'s factory (multi-turn episodes), or None.
+      timeline: when each phase ran on which devices (``jaxrlhf.train.timeline``).
+      producer: launches the rollouts, ahead of the learner with ``rollout.max_staleness``
+        (``jaxrlhf.train.rl_async``).
     """
 
     cfg: RunConfig
@@ -113,6 +126,25 @@ class RLTrainer:
     steps_done: int = 0
     last_scored: Scored | None = None
     env_factory: EnvFactory | None = None
+    timeline: Timeline | None = None
+    producer: RolloutProducer | None = None
+
+    def __post_init__(self) -> None:
+        groups = {
+            "sampler": tuple(int(d.id) for d in self.sampler.mesh.devices.flat),
+            "learner": tuple(int(d.id) for d in self.mesh.devices.flat),
+        }
+        if self.programs.critic_mesh is not None:
+            groups["critic"] = tuple(int(d.id) for d in self.programs.critic_mesh.devices.flat)
+            check_concurrency(self.mesh, self.programs.critic_mesh, "placement.critic")
+        self.timeline = Timeline(groups)
+        self.producer = RolloutProducer(
+            self,
+            max_staleness=self.algo.rollout.max_staleness,
+            sync_every=self.cfg.placement.weight_sync_every,
+            drain_every=self.cfg.checkpoint.every,
+            timeline=self.timeline,
+        )
 
     log_window = 1  # every iteration is a row of metrics.jsonl
     summary_keys = rl_metrics.SUMMARY_KEYS
@@ -192,12 +224,23 @@ class RLTrainer:
 
     def _rollout(self, key: jax.Array) -> tuple[Rollout, dict[str, float], Scored | None]:
         """:meth:`rollout`, and the scoring forwards when the engine streamed them."""
-        timings: dict[str, float] = {}
         host_prompts = next(self.prompts)
         start = time.perf_counter()
         gen_params, stats = self.generate_params()
-        timings["time/reshard_s"] = time.perf_counter() - start
-        timings["reshard/bytes_moved"] = float(stats.bytes_moved)
+        timings = {
+            "time/reshard_s": time.perf_counter() - start,
+            "reshard/bytes_moved": float(stats.bytes_moved),
+        }
+        rollout, more, forwards = self.sample(key, host_prompts, gen_params)
+        return rollout, {**timings, **more}, forwards
+
+    def sample(
+        self, key: jax.Array, host_prompts: dict[str, np.ndarray], gen_params: Any
+    ) -> tuple[Rollout, dict[str, float], Scored | None]:
+        """Samples ``host_prompts`` with ``gen_params`` (the sampler's layout) and scores the
+        samples with the reward: a host Rollout, the phases' timings, and the scoring
+        forwards when the engine streamed them."""
+        timings: dict[str, float] = {}
         if self.programs.engine is not None:
             return self._engine_rollout(gen_params, host_prompts, key, timings)
         start = time.perf_counter()
@@ -423,11 +466,15 @@ class RLTrainer:
         key = jax.random.fold_in(self.key, self.steps_done)
         sample_key, update_key = jax.random.split(key)
         iter_start = time.perf_counter()
-        forwards = None
+        forwards, version = None, self.steps_done
         if isinstance(self.algo, GRPOConfig) and self.algo.dynamic_sampling:
             rollout, timings = self.dynamic_rollout(sample_key)
         else:
-            rollout, timings, forwards = self._rollout(sample_key)
+            (rollout, timings, forwards), version = self.producer.take(
+                self.steps_done, self.cfg.train.steps, self._sample_key
+            )
+        timings["rollout/policy_version"] = float(version)
+        timings["rollout/staleness"] = float(self.steps_done - version)
         metrics = self.learn(rollout, update_key, timings, forwards=forwards)
         metrics["time/iteration_s"] = time.perf_counter() - iter_start
         metrics.update(rl_metrics.rollout_metrics(rollout, metrics))
@@ -439,6 +486,10 @@ class RLTrainer:
         self.steps_done += 1
         skipped = metrics.get("skipped", 0.0) + metrics.get("value/skipped", 0.0)
         return StepOutput(metrics=metrics, skipped=skipped)
+
+    def _sample_key(self, step: int) -> jax.Array:
+        """Rollout ``step``'s sampling key (the same whenever it is launched)."""
+        return jax.random.split(jax.random.fold_in(self.key, step))[0]
 
     def learn(
         self,
@@ -455,7 +506,7 @@ class RLTrainer:
         engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
         programs = self.programs
-        start = time.perf_counter()
+        start, t_score = time.perf_counter(), self.timeline.now()
         # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
         # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
         plan = None
@@ -469,7 +520,9 @@ class RLTrainer:
         )
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
         scores = put_global(shaped, programs.rows(1))
-        if forwards is None:
+        if programs.critic_mesh is not None:
+            scored = self._score_interleaved(rows, scores, kl_coef, plan, forwards)
+        elif forwards is None:
             scored = programs.score(
                 self.policy_params,
                 self.ref_params,
@@ -483,21 +536,33 @@ class RLTrainer:
             scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
         jax.block_until_ready(scored)
         timings["time/score_s"] = time.perf_counter() - start
+        t_update = self.timeline.now()
+        self.timeline.record("score", "learner", self.steps_done, t_score, t_update)
 
         start = time.perf_counter()
-        batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef))
+        behaviour = None
+        if self.algo.loss.rollout_correction.uses_behaviour:
+            behaviour = put_global(np.asarray(rollout.sampler_logprobs), programs.rows(2))
+        batch = LearnerBatch.of(rows, scored, jnp.full((rollout.rows,), kl_coef), behaviour)
         if update_plan is not None:
             batch = batch.replace(packing=programs.put_rows(update_plan.packing))
-        states = (self.policy_state,) + (() if self.value_state is None else (self.value_state,))
-        frozen = (self.policy_frozen,) + (() if self.value_state is None else (self.value_frozen,))
-        states, update = programs.update(
-            states, batch, key, frozen, update_plan and update_plan.rows
-        )
-        self.policy_state = states[0]
-        if self.value_state is not None:
-            self.value_state = states[1]
-        update_metrics = to_host(update.metrics)
+        packed_rows = update_plan and update_plan.rows
+        if programs.critic_mesh is not None:
+            update, update_metrics = self._update_interleaved(batch, key, packed_rows)
+        else:
+            states = (self.policy_state,) + (
+                () if self.value_state is None else (self.value_state,)
+            )
+            frozen = (self.policy_frozen,) + (
+                () if self.value_state is None else (self.value_frozen,)
+            )
+            states, update = programs.update(states, batch, key, frozen, packed_rows)
+            self.policy_state = states[0]
+            if self.value_state is not None:
+                self.value_state = states[1]
+            update_metrics = to_host(update.metrics)
         timings["time/train_s"] = time.perf_counter() - start
+        self.timeline.record("update", "learner", self.steps_done, t_update, self.timeline.now())
         filled = update.outputs.fill(batch)
         self.last_scored = scored.replace(
             old_logprobs=filled.old_logprobs,
@@ -510,6 +575,63 @@ class RLTrainer:
         metrics.update(rl_packing.plan_metrics(plan, update_plan))
         metrics.update(timings)
         return metrics
+
+    def _score_interleaved(
+        self,
+        rows: Any,
+        scores: jax.Array,
+        kl_coef: jax.Array,
+        plan: Any,
+        forwards: Scored | None,
+    ) -> Scored:
+        """``interleaved``: the reference and old-policy forwards on the learner's devices
+        (or those the engine streamed) while the critic's value forward runs on its own;
+        the values then join the advantages (GAE) on the learner's. Both sides pack the
+        rows by scoring's ``plan`` (None: unpacked)."""
+        programs = self.programs
+        if forwards is None:
+            forwards = programs.score_forwards(
+                self.policy_params, self.ref_params, None, rows, plan and plan.rows
+            )  # dispatched; the critic's forward runs meanwhile
+        start = self.timeline.now()
+        critic_rows = programs.put_critic_rows(rows)
+        values = jax.block_until_ready(
+            programs.score_values(self.value_params, critic_rows, plan and plan.rows)
+        )
+        self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
+        values = jax.device_put(values, programs.rows(2))
+        return programs.score_advantages(
+            forwards.replace(old_values=values), rows.response_mask, scores, kl_coef
+        )
+
+    def _update_interleaved(
+        self, batch: LearnerBatch, key: jax.Array, packed_rows: int | None
+    ) -> tuple[Any, dict]:
+        """``interleaved``: the critic's update on its devices (dispatched from a host thread)
+        while the policy's runs on the learner's; the same key and packing plan, so the same
+        minibatches as the joint update. Returns the policy's UpdateOutput and both updates'
+        metrics."""
+        programs = self.programs
+        critic_batch = programs.put_critic_rows(batch)
+        critic_key = jax.device_put(key, NamedSharding(programs.critic_mesh, P()))
+
+        def critic_update():
+            start = self.timeline.now()
+            (state,), out = programs.update_value(
+                (self.value_state,), critic_batch, critic_key, (self.value_frozen,), packed_rows
+            )
+            metrics = to_host(out.metrics)
+            self.timeline.record("update", "critic", self.steps_done, start, self.timeline.now())
+            return state, metrics
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(critic_update)
+            (self.policy_state,), update = programs.update(
+                (self.policy_state,), batch, key, (self.policy_frozen,), packed_rows
+            )
+            metrics = to_host(update.metrics)
+            self.value_state, critic_metrics = future.result()
+        return update, {**critic_metrics, **metrics}
 
     def _check_groups(self, rollout: Rollout, score_groups: bool, update_groups: bool) -> None:
         """Packed prompt groups need each group's rows to carry one prompt (the sampler's
@@ -545,7 +667,7 @@ class RLTrainer:
             arrays["value"] = self.value_state
         meta = {
             "step": self.steps_done,
-            "prompts": self.prompts.state(),
+            "prompts": self.producer.prompts_state(),
             "kl_coef": float(self.kl_state.kl_coef),
         }
         return arrays, meta
@@ -557,6 +679,7 @@ class RLTrainer:
             self.value_state = arrays["value"]
         self.key = wrap_key(arrays["key"], self.key)
         self.steps_done = int(meta["step"])
+        self.producer.reset(self.steps_done)  # what was in flight is sampled again
         self.prompts.restore(meta["prompts"])
         if isinstance(self.kl_state, losses.AdaptiveKLState):  # a fixed one follows the config
             self.kl_state = self.kl_state._replace(
@@ -595,8 +718,14 @@ class RLTrainer:
             self.tokenizer.save_pretrained(hf_dir)
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, float]:
-        """End-of-run summary (:func:`rl_metrics.summarize`)."""
-        return rl_metrics.summarize(history)
+        """End-of-run summary (:func:`rl_metrics.summarize`), with the device groups' busy,
+        idle and overlap fractions of this process's timeline (``timeline/`` keys)."""
+        out = rl_metrics.summarize(history)
+        if not out:
+            return out
+        timeline = self.timeline.to_json()["summary"]
+        out.update({f"timeline/{k}": v for k, v in timeline.items() if "device" not in k})
+        return out
 
     def format_summary(self, summary: dict[str, float]) -> str:
         return rl_metrics.format_summary(summary)
@@ -661,6 +790,7 @@ def build_rl_trainer(
         generate_mesh(cfg.placement, mesh),
         sampling_params(algo, tokenizer.eos_id, tokenizer.pad_id),
         reward_model=rm_cfg,
+        critic_mesh=critic_mesh(cfg.placement, cfg.mesh),
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
     states = initial_states(cfg, programs, init_key)

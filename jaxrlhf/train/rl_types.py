@@ -128,6 +128,9 @@ class LearnerBatch:
       packing: when the update packs sequences, each row's place in its micro-batch's packed
         rows per epoch ([N, E] leaves: the update hands each epoch's column to the losses,
         which see [B] leaves); else None.
+      behaviour_logprobs: [N, T] the sampler's per-token log-probs (``Rollout``'s
+        ``sampler_logprobs``) when the loss corrects with them
+        (``loss.rollout_correction``), else None.
     """
 
     tokens: Int[Array, "N T"]
@@ -141,10 +144,18 @@ class LearnerBatch:
     advantages: Float[Array, "N T"] | None = None
     token_rewards: Float[Array, "N T"] | None = None
     packing: RowPacking | None = None
+    behaviour_logprobs: Float[Array, "N T"] | None = None
 
     @classmethod
-    def of(cls, rows: RolloutRows, scored: Scored, kl_coef: Float[Array, " N"]) -> LearnerBatch:
-        """The update's input for ``rows`` as ``scored``, with ``kl_coef`` per row."""
+    def of(
+        cls,
+        rows: RolloutRows,
+        scored: Scored,
+        kl_coef: Float[Array, " N"],
+        behaviour_logprobs: Float[Array, "N T"] | None = None,
+    ) -> LearnerBatch:
+        """The update's input for ``rows`` as ``scored``, with ``kl_coef`` per row (and the
+        sampler's log-probs when the loss corrects with them)."""
         return cls(
             tokens=rows.tokens,
             mask=rows.mask,
@@ -156,6 +167,7 @@ class LearnerBatch:
             returns=scored.returns,
             advantages=scored.advantages,
             token_rewards=scored.token_rewards,
+            behaviour_logprobs=behaviour_logprobs,
         )
 
 

@@ -1,0 +1,160 @@
+"""Workload R3: asynchronous GRPO on two CPU devices against the synchronous run.
+
+R3 (defined here; shared/bench/WORKLOADS.md has R1/R2): GRPO on the built-in ``sort`` task,
+16 prompts x 4 samples per iteration, on a CPU host split into two JAX devices
+(``placement.cpu_devices: 2``), the same number of iterations (so the same number of
+samples) in two placements:
+
+* ``sync``: synchronous and colocated, the best synchronous placement of the seventh session
+  (training on device 0, the sampler data-parallel over both devices; benchmarks/RESULTS.md).
+* ``async``: ``placement.strategy: separated`` (the sampler on device 0, the learner on device
+  1) with ``rollout.max_staleness: 1`` and truncated importance weights (cap 2): the sampler
+  samples iteration i + 1 with the weights of version i while the learner trains on i.
+
+Each run is a ``python -m jaxrlhf.train`` process. Reported per run: iterations per second
+after the first ``--skip`` iterations (compilation), each device's busy fraction over the same
+iterations (from ``timeline.json``: the union of the phases that ran on it), and the task
+reward (mean of the last 5 iterations). Targets: async >= 1.3x the sync iterations per
+second with both devices busy >= 85% of the time, and the final task reward within the
+seeds' spread of the sync runs.
+
+    python -m benchmarks.async_rl                         # tiny model, 3 seeds, 40 iterations
+    python -m benchmarks.async_rl --model bench_s --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from jaxrlhf.train.timeline import Phase, summarize
+
+PLACEMENTS = {
+    "sync": {
+        "cpu_devices": 2,
+        "train_devices": 1,
+        "generate_mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+    },
+    "async": {
+        "cpu_devices": 2,
+        "strategy": "separated",
+        "sampler": {"devices": [0]},
+        "learner": {"devices": [1]},
+    },
+}
+
+
+def run_config(mode: str, seed: int, args: argparse.Namespace, out: str) -> dict:
+    rollout = {"prompts_per_step": 16, "num_samples": 4, "max_new_tokens": 10}
+    loss = {"epochs": 1, "num_minibatches": 2, "clip_high": 0.28}
+    if mode == "async":
+        rollout["max_staleness"] = 1
+        loss["rollout_correction"] = {"weights": "truncate", "cap": 2.0}
+    return {
+        "algorithm": "grpo",
+        "output_dir": out,
+        "model": {"preset": args.model},
+        "tokenizer": {"path": "builtin"},
+        "data": {
+            "train": "builtin:sort",
+            "eval_size": 0,
+            "max_length": 32,
+            "max_prompt_length": 16,
+            "seed": seed,
+        },
+        "mesh": {"data": 1, "fsdp": -1, "tensor": 1},
+        "placement": PLACEMENTS[mode],
+        "optimizer": {"lr": args.lr, "schedule": "constant", "warmup_steps": 0},
+        "train": {"steps": args.steps, "log_every": 10**6, "seed": seed},
+        "logging": {"progress": "none", "plot": False},
+        "checkpoint": {"every": 0, "export_hf": False},
+        "grpo": {
+            "rollout": rollout,
+            "loss": loss,
+            "reward": {"function": "builtin", "overlong_buffer": 1, "overlong_penalty": 0.5},
+        },
+    }
+
+
+def measure(mode: str, seed: int, args: argparse.Namespace, root: str) -> dict:
+    out = os.path.join(root, f"{mode}-{seed}")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "r3.yaml")
+    with open(path, "w") as f:
+        json.dump(run_config(mode, seed, args, out), f)  # JSON is YAML
+    subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.train", "--config", path],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = [r for r in rows if "reward/mean" in r]
+    timeline = json.load(open(os.path.join(out, "timeline.json")))
+    phases = [Phase(**{**p, "devices": tuple(p["devices"])}) for p in timeline["phases"]]
+    # Skip the compile-heavy first iterations: the learner's and the sampler's phases of
+    # steps (rollout indices) >= skip.
+    phases = [p for p in phases if p.step >= args.skip]
+    groups = {k: tuple(v) for k, v in timeline["groups"].items()}
+    summary = summarize(phases, groups)
+    timed = [p for p in phases if p.group == "learner" and p.name == "update"]
+    first = min(p.start for p in phases)
+    span = max(p.end for p in timed) - first
+    key = "reward/task_mean" if "reward/task_mean" in rows[0] else "reward/mean"
+    return {
+        "mode": mode,
+        "seed": seed,
+        "it_per_s": (args.steps - args.skip) / span,
+        "device0_busy": summary["device0/busy_frac"],
+        "device1_busy": summary["device1/busy_frac"],
+        "overlap": summary["overlap_frac"],
+        "reward_curve": [r[key] for r in rows],
+        "final_reward": float(np.mean([r[key] for r in rows[-5:]])),
+        "staleness_max": max(r.get("rollout/staleness", 0.0) for r in rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--skip", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="r3-") as root:
+        for seed in args.seeds:
+            for mode in ("sync", "async"):
+                r = measure(mode, seed, args, root)
+                results.append(r)
+                print(
+                    f"{mode:>5} seed {seed}: {r['it_per_s']:.2f} it/s, busy device0 "
+                    f"{r['device0_busy']:.0%} device1 {r['device1_busy']:.0%}, overlap "
+                    f"{r['overlap']:.0%}, final task reward {r['final_reward']:.3f}, "
+                    f"max staleness {r['staleness_max']:.0f}",
+                    flush=True,
+                )
+    by = {m: [r for r in results if r["mode"] == m] for m in ("sync", "async")}
+    speed = np.mean([r["it_per_s"] for r in by["async"]]) / np.mean(
+        [r["it_per_s"] for r in by["sync"]]
+    )
+    sync_final = [r["final_reward"] for r in by["sync"]]
+    print(
+        f"async / sync iterations per second: {speed:.2f}x; final task reward sync "
+        f"{np.mean(sync_final):.3f} (range {min(sync_final):.3f}-{max(sync_final):.3f}), async "
+        f"{np.mean([r['final_reward'] for r in by['async']]):.3f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""When each phase of an RL run ran, on which devices: the per-phase timeline.
+
+The trainer records one :class:`Phase` per piece of work (sampling a batch, syncing the
+sampler's weights, scoring, updating) with host wall-clock start and end (``perf_counter``
+seconds since the trainer started; a phase ends when its results are on the host or its
+outputs are ready) and the device ids it ran on. :func:`summarize` turns them into each
+device group's busy fraction (the union of its phases' intervals over the span), its idle
+fraction, and the fraction of the span in which the sampler and the learner were busy at
+once (their overlap). The loop writes ``timeline.json`` and ``timeline.png`` to the run
+directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+TIMELINE_FILE = "timeline.json"
+TIMELINE_PLOT = "timeline.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One recorded piece of work.
+
+    Attributes:
+      name: ``sample``, ``sync``, ``score`` or ``update``.
+      group: the device group it ran on (``sampler`` or ``learner``).
+      step: the iteration (rollout index for ``sample``) it belongs to.
+      start, end: seconds since the timeline started.
+      devices: the device ids it ran on.
+    """
+
+    name: str
+    group: str
+    step: int
+    start: float
+    end: float
+    devices: tuple[int, ...]
+
+
+class Timeline:
+    """A thread-safe recorder of :class:`Phase` entries (the producer thread records too)."""
+
+    def __init__(self, groups: dict[str, tuple[int, ...]]):
+        self.groups = groups
+        self.origin = time.perf_counter()
+        self.phases: list[Phase] = []
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def record(self, name: str, group: str, step: int, start: float, end: float) -> None:
+        phase = Phase(name, group, step, start, end, self.groups[group])
+        with self._lock:
+            self.phases.append(phase)
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            phases = list(self.phases)
+        return {
+            "groups": {k: list(v) for k, v in self.groups.items()},
+            "phases": [dataclasses.asdict(p) for p in phases],
+            "summary": summarize(phases, self.groups),
+        }
+
+    def write(self, run_dir: str, *, plot: bool = True) -> str:
+        """Writes ``timeline.json`` (and ``timeline.png``) to ``run_dir``; returns the json
+        path."""
+        data = self.to_json()
+        path = os.path.join(run_dir, TIMELINE_FILE)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        if plot and data["phases"]:
+            plot_timeline(data, os.path.join(run_dir, TIMELINE_PLOT))
+        return path
+
+
+def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _intersection(
+    xs: Sequence[tuple[float, float]], ys: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    out = []
+    for a, b in xs:
+        for c, d in ys:
+            lo, hi = max(a, c), min(b, d)
+            if hi > lo:
+                out.append((lo, hi))
+    return out
+
+
+def summarize(phases: Sequence[Phase], groups: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """Busy / idle fraction per device group and device, and the sampler-learner overlap.
+
+    The span runs from the first phase's start to the last phase's end. A device is busy
+    while any phase that ran on it is; a group's busy fraction is its devices' mean.
+    ``overlap_frac``: the fraction of the span in which a sampler phase and a learner phase
+    ran at once (0 when every phase waits for the last); ``critic_overlap_frac`` likewise for
+    the learner and the critic group of an interleaved placement.
+    """
+    if not phases:
+        return {}
+    t0, t1 = min(p.start for p in phases), max(p.end for p in phases)
+    span = max(t1 - t0, 1e-12)
+    out: dict[str, float] = {"span_s": span}
+    busy_dev = {}
+    for d in sorted({d for ids in groups.values() for d in ids}):
+        busy_dev[d] = _union_length([(p.start, p.end) for p in phases if d in p.devices]) / span
+        out[f"device{d}/busy_frac"] = busy_dev[d]
+    for name, ids in groups.items():
+        busy = sum(busy_dev[d] for d in ids) / max(len(ids), 1)
+        out[f"{name}/busy_frac"] = busy
+        out[f"{name}/idle_frac"] = 1.0 - busy
+    by_group = {g: [(p.start, p.end) for p in phases if p.group == g] for g in groups}
+    both = _intersection(by_group["sampler"], by_group["learner"])
+    out["overlap_frac"] = _union_length(both) / span
+    if "critic" in groups:
+        both = _intersection(by_group["learner"], by_group["critic"])
+        out["critic_overlap_frac"] = _union_length(both) / span
+    return out
+
+
+def plot_timeline(data: dict[str, Any], path: str) -> str | None:
+    """Draws the phases as bars per device (matplotlib; None when it is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    colors = {"sample": "tab:blue", "sync": "tab:purple", "score": "tab:orange"}
+    devices = sorted({d for ids in data["groups"].values() for d in ids})
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.4 * len(devices)))
+    for p in data["phases"]:
+        for d in p["devices"]:
+            ax.broken_barh(
+                [(p["start"], p["end"] - p["start"])],
+                (devices.index(d) - 0.4, 0.8),
+                color=colors.get(p["name"], "tab:green"),
+            )
+    ax.set_yticks(range(len(devices)), [f"device {d}" for d in devices])
+    ax.set_xlabel("seconds")
+    summary = data["summary"]
+    ax.set_title(
+        "timeline: sample (blue), sync (purple), score (orange), update (green); "
+        f"overlap {summary.get('overlap_frac', 0.0):.0%}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -1,0 +1,314 @@
+"""Placement strategies and asynchronous RL on 8 CPU devices: the separated placement does the
+colocated math, ``max_staleness: 0`` is the synchronous algorithm bit for bit, ``k >= 1``
+trains on samples at most k versions old (read back from the logged versions), a resumed
+asynchronous run repeats the uninterrupted one, and the timeline records both groups."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrlhf.config import ConfigError, validate
+from jaxrlhf.sharding.mesh import MeshError
+from jaxrlhf.train import loop
+from jaxrlhf.train.metrics import read_history
+from jaxrlhf.train.rl_trainer import build_rl_trainer
+from jaxrlhf.train.timeline import TIMELINE_FILE
+from tests.train.test_rl import _config
+
+SEPARATED = ("placement.strategy=separated", "placement.sampler={devices: [0, 1, 2, 3]}")
+# One sampler device: its programs run on the calling thread, so sampling and learning can
+# be in flight at once on XLA:CPU's default pool (jaxrlhf.platform).
+ASYNC = (
+    "placement.strategy=separated",
+    "placement.sampler={devices: [0]}",
+    "placement.learner={devices: [4, 5, 6, 7]}",
+    "logging.progress=none",
+    "logging.plot=false",
+)
+
+
+def test_separated_does_the_colocated_math(fast_compile, tmp_path):
+    """The same rollout learned on all 8 devices and on the learner group (devices 4-7, the
+    sampler on 0-3): the same update to 1e-5."""
+    out = {}
+    rollout = None
+    for name, overrides in (("colocated", ()), ("separated", SEPARATED)):
+        cfg, src = _config(_dir(tmp_path / name), "grpo", "grpo.loss.kl_coef=0.1", *overrides)
+        trainer = build_rl_trainer(cfg, source=src)
+        if name == "separated":
+            assert [d.id for d in trainer.sampler.mesh.devices.flat] == [0, 1, 2, 3]
+            assert [d.id for d in trainer.mesh.devices.flat] == [4, 5, 6, 7]
+        else:
+            assert trainer.mesh.size == 8 and trainer.sampler.mesh is trainer.mesh
+        if rollout is None:
+            rollout, _ = trainer.rollout(jax.random.key(1))
+        metrics = trainer.learn(rollout, jax.random.key(2))
+        out[name] = (jax.device_get(trainer.policy_state.params), metrics)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+        out["colocated"][0],
+        out["separated"][0],
+    )
+    for key in ("loss/policy", "kl/seq_mean", "policy/clip_frac"):
+        np.testing.assert_allclose(out["colocated"][1][key], out["separated"][1][key], atol=1e-5)
+
+
+def test_interleaved_does_the_colocated_math(fast_compile, tmp_path):
+    """PPO with the critic on device 1 (its value forward and update there, the update from a
+    host thread at the same time as the policy's on device 0) and the sampler on device 2:
+    the same rollout gives the same policy and critic as everything on device 0, to 1e-5."""
+    out, rollout = {}, None
+    interleaved = (
+        "placement.strategy=interleaved",
+        "placement.learner={devices: [0]}",
+        "placement.critic={devices: [1]}",
+        "placement.sampler={devices: [2]}",
+    )
+    for name, overrides in (("colocated", ("placement.train_devices=1",)), ("apart", interleaved)):
+        cfg, src = _config(_dir(tmp_path / name), "ppo", "ppo.loss.num_minibatches=2", *overrides)
+        trainer = build_rl_trainer(cfg, source=src)
+        if name == "apart":
+            assert [d.id for d in trainer.programs.critic_mesh.devices.flat] == [1]
+            assert trainer.value_state.params["score"].sharding.device_set == {jax.devices()[1]}
+        if rollout is None:
+            rollout, _ = trainer.rollout(jax.random.key(1))
+        metrics = trainer.learn(rollout, jax.random.key(2))
+        params = jax.device_get((trainer.policy_state.params, trainer.value_state.params))
+        out[name] = (params, metrics, trainer)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+        out["colocated"][0],
+        out["apart"][0],
+    )
+    for key in ("loss/policy", "loss/value", "value/explained_var", "kl/seq_mean"):
+        np.testing.assert_allclose(out["colocated"][1][key], out["apart"][1][key], atol=1e-5)
+    groups = {(p.name, p.group) for p in out["apart"][2].timeline.phases}
+    assert {("score", "critic"), ("update", "critic"), ("update", "learner")} <= groups
+
+
+def test_weights_reach_the_sampler_every_k_updates(fast_compile, tmp_path):
+    """k = 2, weights synced every 2 updates: refreshed at versions 0, 2 and 4 only; rollouts
+    0-2 use version 0, 3-4 version 2, 5 version 4 (each at most 2 versions old)."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        *ASYNC,
+        "train.steps=6",
+        "placement.weight_sync_every=2",
+        "grpo.rollout.max_staleness=2",
+    )
+    trainer = build_rl_trainer(cfg, source=src)
+    rows = [trainer.step().metrics for _ in range(6)]
+    assert [r["rollout/policy_version"] for r in rows] == [0, 0, 0, 2, 2, 4]
+    synced = [p.step for p in trainer.timeline.phases if p.name == "sync"]
+    assert synced == [0, 2, 4]
+    assert all(r["reshard/bytes_moved"] > 0 for r in (rows[0], rows[3], rows[5]))
+    assert all(r["reshard/bytes_moved"] == 0 for r in (rows[1], rows[2], rows[4]))
+
+
+def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile, tmp_path):
+    """Sampling on 4 CPU devices while learning on 4 others would starve XLA:CPU's client
+    pool (8 threads here; jaxrlhf.platform): refused with the fix, not serialised quietly."""
+    cfg, src = _config(tmp_path, "grpo", *SEPARATED, "grpo.rollout.max_staleness=1")
+    with pytest.raises(MeshError, match="need 16 XLA:CPU client threads, this process has 8"):
+        build_rl_trainer(cfg, source=src)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["placement.strategy=separated", "placement.sampler={devices: [0, 9]}"],
+            "placement.sampler.devices: device 9 does not exist (8 devices)",
+        ),
+        (
+            [
+                "placement.strategy=separated",
+                "placement.sampler={devices: [0, 1]}",
+                "placement.learner={devices: [1, 2]}",
+            ],
+            "placement.learner.devices: device 1 is also in placement.sampler",
+        ),
+        (
+            [
+                "placement.strategy=separated",
+                "placement.sampler={fraction: 0.5}",
+                "placement.learner={fraction: 0.75}",
+            ],
+            "placement.learner.fraction: 0.75 of 8 devices needs 6, but only 4 are not taken",
+        ),
+        (
+            ["placement.strategy=separated", "placement.sampler={fraction: 1.0}"],
+            "placement.sampler.fraction: must be in (0, 1)",
+        ),
+        (["placement.sampler={fraction: 0.5}"], "device groups need strategy: separated"),
+        (
+            ["placement.strategy=interleaved", "placement.critic={devices: [0]}"],
+            "placement.strategy: interleaved puts the critic on its own devices: ppo only",
+        ),
+        (
+            ["placement.weight_sync_every=3"],
+            "placement.weight_sync_every: 3 lets the sampler's weights fall 2 version(s) behind",
+        ),
+        (
+            ["grpo.dynamic_sampling=true", "grpo.rollout.max_staleness=1"],
+            "dynamic_sampling: refills sample on demand",
+        ),
+    ],
+)
+def test_placement_errors_are_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        cfg, src = _config(tmp_path, "grpo", *overrides)
+        validate(cfg, source=src)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fractions_split_the_devices(tmp_path):
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        "placement.strategy=separated",
+        "placement.sampler={fraction: 0.25}",
+        "placement.learner={fraction: 0.5}",
+    )
+    layout = validate(cfg, source=src)
+    assert layout.train_devices == 4 and layout.generate_shards == 2
+
+
+def _dir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _history(run_dir):
+    return [r for r in read_history(run_dir, 10**9) if "rollout/staleness" in r]
+
+
+def test_max_staleness_zero_is_the_synchronous_iteration_bitwise(fast_compile, tmp_path):
+    """``loop.run`` with k = 0 against the synchronous algorithm driven by hand: sample with
+    the current weights, learn, repeat: the same samples and parameters, bit for bit."""
+    cfg, src = _config(_dir(tmp_path / "a"), "grpo", *ASYNC, "train.steps=3")
+    result = loop.run(cfg, source=src)
+    assert [r["rollout/staleness"] for r in _history(result.run_dir)] == [0.0, 0.0, 0.0]
+
+    cfg, src = _config(_dir(tmp_path / "b"), "grpo", *ASYNC, "train.steps=3")
+    trainer = build_rl_trainer(cfg, source=src)
+    for step in range(3):
+        sample_key, learn_key = jax.random.split(jax.random.fold_in(trainer.key, step))
+        rollout, _ = trainer.rollout(sample_key)
+        trainer.learn(rollout, learn_key)
+        trainer.steps_done += 1
+        trainer.kl_state = result.trainer.kl_state  # a fixed coefficient either way
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(result.trainer.policy_state.params),
+        jax.device_get(trainer.policy_state.params),
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_samples_are_at_most_k_versions_old(fast_compile, tmp_path, k):
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        *ASYNC,
+        "train.steps=5",
+        f"grpo.rollout.max_staleness={k}",
+        "grpo.loss.rollout_correction={weights: truncate, cap: 2.0}",
+    )
+    result = loop.run(cfg, source=src)
+    rows = _history(result.run_dir)
+    versions = [int(r["rollout/policy_version"]) for r in rows]
+    staleness = [int(r["rollout/staleness"]) for r in rows]
+    assert len(rows) == 5
+    assert all(0 <= s <= k for s in staleness)
+    assert staleness == [min(i, k) for i in range(5)]  # version max(i - k, 0)
+    assert versions == [max(i - k, 0) for i in range(5)]
+    assert all("is/weight_mean" in r for r in rows)
+    timeline = json.load(open(os.path.join(result.run_dir, TIMELINE_FILE)))
+    summary = timeline["summary"]
+    assert summary["overlap_frac"] > 0  # the sampler sampled while the learner trained
+    names = {(p["name"], p["group"]) for p in timeline["phases"]}
+    assert {("sample", "sampler"), ("score", "learner"), ("update", "learner")} <= names
+    assert all(p["devices"] == [0] for p in timeline["phases"] if p["group"] == "sampler")
+    assert 0 < summary["sampler/busy_frac"] <= 1 and 0 < summary["learner/busy_frac"] <= 1
+
+
+def test_async_resume_repeats_the_uninterrupted_run(fast_compile, tmp_path):
+    """k = 1, checkpoints every 2 iterations: 4 iterations in one go, and 2 then a resume to
+    4, give the same parameters and the same policy versions (the checkpoint at 2 is a drain
+    point: nothing is in flight, and no rollout after it uses older weights)."""
+    common = (*ASYNC, "grpo.rollout.max_staleness=1", "checkpoint.every=2")
+    cfg, src = _config(_dir(tmp_path / "whole"), "grpo", *common, "train.steps=4")
+    whole = loop.run(cfg, source=src)
+    cfg, src = _config(_dir(tmp_path / "split"), "grpo", *common, "train.steps=2")
+    loop.run(cfg, source=src)
+    cfg, src = _config(_dir(tmp_path / "split"), "grpo", *common, "train.steps=4")
+    resumed = loop.run(cfg, source=src)
+    versions = [r["rollout/policy_version"] for r in _history(whole.run_dir)]
+    assert versions == [0, 0, 2, 2]  # the drain at 2: rollout 2 waits for version 2
+    assert [r["rollout/policy_version"] for r in _history(resumed.run_dir)] == versions
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(whole.trainer.policy_state.params),
+        jax.device_get(resumed.trainer.policy_state.params),
+    )
+
+
+@pytest.mark.slow
+def test_async_run_killed_then_resumed_equals_uninterrupted(fast_compile, tmp_path):
+    """kill -9 of an asynchronous run (k = 1, checkpoints every 2 iterations), then a resume:
+    the logged rows (versions, importance weights, losses) and the final parameters equal
+    the uninterrupted run's, bit for bit."""
+    from tests.train.test_checkpointing import _cli, _committed_steps, _untimed, _wait_for
+
+    common = (
+        *ASYNC,
+        "grpo.rollout.max_staleness=1",
+        "grpo.loss.rollout_correction={weights: truncate, cap: 2.0}",
+        "checkpoint.every=2",
+        "train.steps=6",
+    )
+    cfg, src = _config(_dir(tmp_path / "ref"), "grpo", *common)
+    ref = loop.run(cfg, source=src)
+
+    cfg, src = _config(_dir(tmp_path / "killed"), "grpo", *common)
+    proc = _cli(src, *common)
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    _wait_for(lambda: _committed_steps(ckpt_dir), proc, "the first checkpoint")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = _committed_steps(ckpt_dir)[-1]
+    assert 0 < killed_at < 6, killed_at
+
+    resumed = loop.run(cfg, source=src)
+    assert _untimed(resumed.history) == _untimed(ref.history)
+    assert [r["rollout/policy_version"] for r in _history(resumed.run_dir)] == [0, 0, 2, 2, 4, 4]
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(resumed.trainer.policy_state.params),
+        jax.device_get(ref.trainer.policy_state.params),
+    )
+
+
+def test_colocated_async_keeps_its_own_copy_of_the_weights(fast_compile, tmp_path):
+    """k = 1 with the sampler on the training device: the sampler's weights are a copy, so
+    the update (which donates the training state) cannot delete them under the producer."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        "placement.train_devices=1",
+        "grpo.rollout.max_staleness=1",
+        "train.steps=3",
+    )
+    trainer = build_rl_trainer(cfg, source=src)
+    assert trainer.producer.shared_devices
+    rows = [trainer.step().metrics for _ in range(3)]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1]
+    assert all(np.isfinite(r["loss/policy"]) for r in rows)
