@@ -79,10 +79,11 @@ def _uneven(rollout):
     )
 
 
-def _learn_each(tmp_path, algorithm, variants, *, prompts=16):
+def _learn_each(tmp_path, algorithm, variants, *, prompts=16, edit=None):
     """One trainer per ``{name: (mesh, overrides)}``, from the same seed; the first samples
-    a rollout (made uneven) that every one learns once, its reference perturbed so the KL is
-    not 0. Returns the rollout and ``{name: (trainer, scored, params, metrics)}``."""
+    a rollout (made uneven, then passed through ``edit`` if given) that every one learns
+    once, its reference perturbed so the KL is not 0. Returns the rollout and ``{name:
+    (trainer, scored, params, metrics)}``."""
     out, rollout = {}, None
     for name, (mesh, overrides) in variants.items():
         cfg, src = _config(tmp_path, algorithm, *overrides, prompts=prompts)
@@ -90,6 +91,7 @@ def _learn_each(tmp_path, algorithm, variants, *, prompts=16):
         trainer.ref_params = jax.tree.map(lambda x: x * 1.05, trainer.ref_params)
         if rollout is None:
             rollout = _uneven(trainer.rollout(jax.random.key(3))[0])
+            rollout = rollout if edit is None else edit(rollout)
         metrics = trainer.learn(rollout, jax.random.key(4))
         states = (trainer.policy_state, trainer.value_state)
         params = jax.device_get([s.params for s in states if s is not None])
@@ -173,6 +175,47 @@ def test_packed_lora_and_hydra_ppo_iterations_equal_unpacked(fast_compile, tmp_p
     assert (trainer.programs.policy_lora is None) != (trainer.programs.hydra is None)
     assert m["packing/score_rows"] < 16 and m["packing/update_rows"] < 4  # fewer rows ran
     assert "packing/score_rows" not in out[False][3]
+    _assert_same_iteration(out[True], out[False], rollout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "correction",
+    [("truncate", "token", "0"), ("mask", "sequence", "0.5")],
+    ids=["truncate_token", "mask_sequence"],
+)
+def test_packed_iteration_with_rollout_correction_equals_unpacked(
+    fast_compile, tmp_path, correction
+):
+    """Rollout correction packs like the rest of the update: the sampler's per-token
+    log-probs (skewed by up to +-0.7 nats so the weights are truncated or masked) travel with
+    the packed rows, and the PPO iteration, its is/* metrics included, equals the padded one
+    to 1e-5."""
+    weights, level, floor = correction
+
+    def skew(rollout):
+        noise = np.random.default_rng(0).uniform(-0.7, 0.7, rollout.sampler_logprobs.shape)
+        behaviour = rollout.sampler_logprobs + noise.astype(np.float32)
+        return rollout.replace(sampler_logprobs=np.where(rollout.response_mask, behaviour, 0.0))
+
+    common = [
+        "ppo.loss.epochs=2",
+        "ppo.loss.num_minibatches=2",
+        "train.micro_batch_size=4",
+        f"ppo.loss.rollout_correction.weights={weights}",
+        f"ppo.loss.rollout_correction.level={level}",
+        "ppo.loss.rollout_correction.cap=1.5",
+        f"ppo.loss.rollout_correction.floor={floor}",
+    ]
+    rollout, out = _learn_each(
+        tmp_path,
+        "ppo",
+        {p: (_mesh(), [*common, f"ppo.rollout.pack_sequences={p}"]) for p in (True, False)},
+        edit=skew,
+    )
+    m = out[True][3]
+    assert m["packing/update_rows"] < 4
+    assert 0 < m["is/clip_frac"] < 1 and m["is/mismatch_kl"] > 0.01  # the weights bite
     _assert_same_iteration(out[True], out[False], rollout)
 
 
