@@ -59,10 +59,12 @@ def test_separated_does_the_colocated_math(fast_compile, tmp_path):
         np.testing.assert_allclose(out["colocated"][1][key], out["separated"][1][key], atol=1e-5)
 
 
-def test_interleaved_does_the_colocated_math(fast_compile, tmp_path):
+@pytest.mark.parametrize("models", [(), ("lora.rank=4",)], ids=["full", "lora"])
+def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
     """PPO with the critic on device 1 (its value forward and update there, the update from a
     host thread at the same time as the policy's on device 0) and the sampler on device 2:
-    the same rollout gives the same policy and critic as everything on device 0, to 1e-5."""
+    the same rollout gives the same policy and critic as everything on device 0, to 1e-5.
+    With LoRA learners the critic's group holds its own copy of the frozen base."""
     out, rollout = {}, None
     interleaved = (
         "placement.strategy=interleaved",
@@ -71,11 +73,14 @@ def test_interleaved_does_the_colocated_math(fast_compile, tmp_path):
         "placement.sampler={devices: [2]}",
     )
     for name, overrides in (("colocated", ("placement.train_devices=1",)), ("apart", interleaved)):
-        cfg, src = _config(_dir(tmp_path / name), "ppo", "ppo.loss.num_minibatches=2", *overrides)
+        cfg, src = _config(
+            _dir(tmp_path / name), "ppo", "ppo.loss.num_minibatches=2", *models, *overrides
+        )
         trainer = build_rl_trainer(cfg, source=src)
         if name == "apart":
             assert [d.id for d in trainer.programs.critic_mesh.devices.flat] == [1]
-            assert trainer.value_state.params["score"].sharding.device_set == {jax.devices()[1]}
+            critic_leaves = jax.tree.leaves((trainer.value_state.params, trainer.value_frozen))
+            assert {d for x in critic_leaves for d in x.sharding.device_set} == {jax.devices()[1]}
         if rollout is None:
             rollout, _ = trainer.rollout(jax.random.key(1))
         metrics = trainer.learn(rollout, jax.random.key(2))
