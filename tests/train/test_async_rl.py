@@ -97,6 +97,49 @@ def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
     assert {("score", "critic"), ("update", "critic"), ("update", "learner")} <= groups
 
 
+def test_interleaved_with_streamed_engine_scoring_does_the_same_math(fast_compile, tmp_path):
+    """PPO through the rollout engine with streamed scoring: interleaved (the reference and
+    old-policy forwards streamed on the learner's device while the tail decodes, the critic's
+    values scored after the rollout on its own device) against the critic beside the policy
+    on device 0 (``separated``); the sampler on device 2 in both. One whole iteration each:
+    the same samples, metrics and parameters to 1e-5 (forwards in other batch shapes round
+    differently)."""
+    engine = (
+        "ppo.rollout.engine=continuous",
+        "ppo.rollout.slots=4",
+        "ppo.rollout.chunk_tokens=2",
+        "ppo.rollout.num_samples=2",
+        "train.micro_batch_size=2",
+        "placement.sampler={devices: [2]}",
+        "placement.learner={devices: [0]}",
+    )
+    out = {}
+    for name, overrides in (
+        ("together", ("placement.strategy=separated",)),
+        ("apart", ("placement.strategy=interleaved", "placement.critic={devices: [1]}")),
+    ):
+        cfg, src = _config(
+            _dir(tmp_path / name), "ppo", "ppo.loss.kl_coef=0.1", *engine, *overrides
+        )
+        trainer = build_rl_trainer(cfg, source=src)
+        metrics = trainer.step().metrics
+        assert metrics["time/score_streamed_s"] > 0
+        params = jax.device_get((trainer.policy_state.params, trainer.value_state.params))
+        out[name] = (params, metrics)
+    for key in ("response/length_mean", "reward/mean"):
+        assert out["together"][1][key] == out["apart"][1][key], key  # identical samples
+    keys = ("loss/policy", "loss/value", "value/explained_var", "kl/seq_mean", "grad_norm")
+    for key in keys:
+        np.testing.assert_allclose(
+            out["together"][1][key], out["apart"][1][key], atol=1e-5, rtol=1e-5, err_msg=key
+        )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+        out["together"][0],
+        out["apart"][0],
+    )
+
+
 def test_weights_reach_the_sampler_every_k_updates(fast_compile, tmp_path):
     """k = 2, weights synced every 2 updates: refreshed at versions 0, 2 and 4 only; rollouts
     0-2 use version 0, 3-4 version 2, 5 version 4 (each at most 2 versions old)."""
