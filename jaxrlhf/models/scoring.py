@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -97,6 +98,39 @@ class RolloutForward:
             self.module.constrain,
         )
 
+    def _response_outputs(
+        self,
+        params: Any,
+        tokens: Int[Array, "N T"],
+        mask: Bool[Array, "N T"],
+        plan: RowPacking | None,
+    ) -> tuple[Any, Int[Array, "..."], Callable[[Array], Float[Array, "N T"]]]:
+        """``(outputs, targets, back)``: the module's outputs (logits, or a Hydra model's
+        ``(logits, values)``) at the positions that predict response tokens, the tokens they
+        predict, and ``back``, which places a per-position array of those positions at the
+        indices ``t >= P`` of ``[N, T]`` (0 elsewhere). The head runs on the response only:
+        packed sequences (their real tokens), packed prompt groups, or plain rows from
+        position P - 1."""
+        start = self.prompt_len(tokens)
+        if self.packing is not None:
+            packed = self._sequences(tokens, mask, plan)
+            select = functools.partial(
+                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
+            )
+            outputs = model_lib.forward_packed(self.module, params, packed, select)  # [S, K, .]
+            return outputs, packed.head_targets, lambda x: packing_lib.unpack_responses(x, packed)
+        if self.group_size > 1:
+            groups = self._packed(tokens, mask)
+            select = functools.partial(shared_prefix.response_inputs, mask=groups.mask)
+            outputs = model_lib.forward_packed(self.module, params, groups, select)  # [N, R, .]
+            return outputs, tokens[:, start:], lambda x: _pad_front(x, start)
+        # Position t - 1 predicts token t, so the head runs on positions start - 1 .. T - 1,
+        # each scored against the token after it (the last against a dummy, dropped by
+        # ``back``); slicing the logits instead would copy the whole [N, T', V] array.
+        outputs = model_lib.forward(self.module, params, tokens, mask, head_from=start - 1)
+        targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+        return outputs, targets, lambda x: _pad_front(x[:, :-1], start)
+
     def logprobs(
         self,
         params: Any,
@@ -108,31 +142,9 @@ class RolloutForward:
         distribution at index ``t >= P`` (0 before), float32. The LM head and the
         log-softmax run on the R response positions only (packed: on the real response
         tokens only, 0 at the padding). ``plan``: the rows' packing (packed forwards)."""
-        start = self.prompt_len(tokens)
-        if self.packing is not None:
-            packed = self._sequences(tokens, mask, plan)
-            select = functools.partial(
-                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
-            )
-            logits = model_lib.forward_packed(self.module, params, packed, select)  # [S, K, V]
-            logp, entropy = token_logprobs_and_entropy(logits, packed.head_targets)
-            return (
-                packing_lib.unpack_responses(logp, packed),
-                packing_lib.unpack_responses(entropy, packed),
-            )
-        if self.group_size > 1:
-            packed = self._packed(tokens, mask)
-            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
-            logits = model_lib.forward_packed(self.module, params, packed, select)  # [N, R, V]
-            logp, entropy = token_logprobs_and_entropy(logits, tokens[:, start:])
-            return _pad_front(logp, start), _pad_front(entropy, start)
-        # Position t - 1 predicts token t, so the head runs on positions start - 1 .. T - 1,
-        # each scored against the token after it (the last against a dummy, dropped below);
-        # slicing the logits instead would copy the whole [N, T', V] array.
-        logits = model_lib.forward(self.module, params, tokens, mask, head_from=start - 1)
-        targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+        logits, targets, back = self._response_outputs(params, tokens, mask, plan)
         logp, entropy = token_logprobs_and_entropy(logits, targets)
-        return _pad_front(logp[:, :-1], start), _pad_front(entropy[:, :-1], start)
+        return back(logp), back(entropy)
 
     def logprobs_and_values(
         self,
@@ -145,28 +157,9 @@ class RolloutForward:
         ``models/hydra.py``): :meth:`logprobs`' log-probs and the values at the response's
         indices ``t >= P`` (0 before, as :meth:`values` gives them packed; sequence packing:
         the real response tokens only). ``plan``: the rows' packing (packed forwards)."""
-        start = self.prompt_len(tokens)
-        if self.packing is not None:
-            packed = self._sequences(tokens, mask, plan)
-            select = functools.partial(
-                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
-            )
-            logits, values = model_lib.forward_packed(self.module, params, packed, select)
-            logp, _ = token_logprobs_and_entropy(logits, packed.head_targets)
-            return (
-                packing_lib.unpack_responses(logp, packed),
-                packing_lib.unpack_responses(values, packed),
-            )
-        if self.group_size > 1:
-            packed = self._packed(tokens, mask)
-            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
-            logits, values = model_lib.forward_packed(self.module, params, packed, select)
-            logp, _ = token_logprobs_and_entropy(logits, tokens[:, start:])
-            return _pad_front(logp, start), _pad_front(values, start)
-        logits, values = model_lib.forward(self.module, params, tokens, mask, head_from=start - 1)
-        targets = jnp.roll(tokens, -1, axis=1)[:, start - 1 :]
+        (logits, values), targets, back = self._response_outputs(params, tokens, mask, plan)
         logp, _ = token_logprobs_and_entropy(logits, targets)
-        return _pad_front(logp[:, :-1], start), _pad_front(values[:, :-1], start)
+        return back(logp), back(values)
 
     def values(
         self,
@@ -178,18 +171,9 @@ class RolloutForward:
         """V(state before token t) at index t from a scalar-head model: every index from 1
         unpacked; the response's indices ``t >= P`` only when packed (0 before; sequence
         packing: the real response tokens only), all that GAE and the value loss read."""
-        if self.packing is not None:
-            packed = self._sequences(tokens, mask, plan)
-            select = functools.partial(
-                packing_lib.response_inputs, packed=packed, constrain=self.module.constrain
-            )
-            out = model_lib.forward_packed(self.module, params, packed, select)  # [S, K]
-            return packing_lib.unpack_responses(out, packed)
-        if self.group_size > 1:
-            packed = self._packed(tokens, mask)
-            select = functools.partial(shared_prefix.response_inputs, mask=packed.mask)
-            out = model_lib.forward_packed(self.module, params, packed, select)
-            return _pad_front(out, self.prompt_len(tokens))
+        if self.packing is not None or self.group_size > 1:
+            out, _, back = self._response_outputs(params, tokens, mask, plan)
+            return back(out)
         values = model_lib.forward(self.module, params, tokens, mask)[:, :-1]
         return jnp.pad(values, ((0, 0), (1, 0)))
 
