@@ -202,20 +202,25 @@ class Engine:
 
         return self._program("resume", (prompt_len, max_new_tokens), build)
 
+    def _decode_chunk(self, statics: SamplingStatics) -> Any:
+        """:func:`decode_chunk` with this engine's model, sharding and chunk length bound:
+        ``(params, state, arrays) -> state``."""
+        shards = decode_lib.fused_shards(self.cfg, self.sampler.param_shardings)
+        return functools.partial(
+            decode_chunk,
+            self.cfg,
+            self.sampler.constrain,
+            statics,
+            self.chunk,
+            shards,
+            self.sampler.matmul_block,
+        )
+
     def chunk_program(self, statics: SamplingStatics, prompt_len: int) -> Any:
         """Jitted :func:`decode_chunk`; the state donated (updated in place)."""
 
         def build():
-            shards = decode_lib.fused_shards(self.cfg, self.sampler.param_shardings)
-            fn = functools.partial(
-                decode_chunk,
-                self.cfg,
-                self.sampler.constrain,
-                statics,
-                self.chunk,
-                shards,
-                self.sampler.matmul_block,
-            )
+            fn = self._decode_chunk(statics)
             sh = self.state_shardings(prompt_len, statics.max_new_tokens)
             if sh is None:
                 return jax.jit(fn, donate_argnums=1)
@@ -244,16 +249,7 @@ class Engine:
         cache slots; the view is cut out, decoded and written back in one program."""
 
         def build():
-            shards = decode_lib.fused_shards(self.cfg, self.sampler.param_shardings)
-            chunk = functools.partial(
-                decode_chunk,
-                self.cfg,
-                self.sampler.constrain,
-                statics,
-                self.chunk,
-                shards,
-                self.sampler.matmul_block,
-            )
+            chunk = self._decode_chunk(statics)
             take = functools.partial(take_view, width=width)
             sh = self.state_shardings(prompt_len, statics.max_new_tokens)
             if sh is not None:  # cut and write back shard-locally: no slot crosses devices
