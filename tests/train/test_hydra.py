@@ -14,7 +14,6 @@ import os
 import jax
 import numpy as np
 import pytest
-import yaml
 
 from jaxrlhf.config import ConfigError, load_config
 from jaxrlhf.models import hydra
@@ -24,42 +23,23 @@ from jaxrlhf.train import dry_run, loop
 from jaxrlhf.train.rl_trainer import build_rl_trainer
 from tests.models.hf_fixtures import padded_batch
 from tests.train.helpers import CONFIGS, mesh
-
-LR, EPS = 0.05, 1.0
+from tests.train.test_rl import _config as rl_config
 
 
 def _config(tmp_path, *overrides):
-    raw = {
-        "algorithm": "ppo",
-        "output_dir": str(tmp_path / "run"),
-        "model": {"preset": "tiny", "initializer_range": 0.1},
-        "data": {
-            "train": "builtin:sort",
-            "max_length": 32,
-            "max_prompt_length": 16,
-            "builtin_size": 256,
-            "eval_size": 0,
-        },
-        # eps = 1 keeps Adam's first step smooth in the gradient (test_rl.py).
-        "optimizer": {
-            "lr": LR,
-            "eps": EPS,
-            "schedule": "constant",
-            "max_grad_norm": 0.0,
-            "weight_decay": 0.0,
-        },
-        "train": {"steps": 1, "seed": 0},
-        "logging": {"progress": "none", "plot": False},
-        "ppo": {
-            "rollout": {"prompts_per_step": 4, "max_new_tokens": 6},
-            "loss": {"kl_coef": 0.1, "epochs": 1, "num_minibatches": 1},
-            "value_clip": None,
-        },
-    }
+    """test_rl's PPO config (lr 0.05, Adam eps 1), one minibatch, no value clipping."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "ppo.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return load_config(str(path), list(overrides)), str(path)
+    return rl_config(
+        tmp_path,
+        "ppo",
+        "logging.progress=none",
+        "logging.plot=false",
+        "ppo.loss.kl_coef=0.1",
+        "ppo.loss.epochs=1",
+        "ppo.loss.num_minibatches=1",
+        "ppo.value_clip=null",
+        *overrides,
+    )
 
 
 def _with_score(trainer, score, branch):
