@@ -73,9 +73,21 @@ class RandomPrompts:
     dataset = types.SimpleNamespace(columns=lambda index, exclude=(): {})
 
     def __init__(self, vocab: int, seed: int = 0):
-        self.rng, self.vocab = np.random.default_rng(seed), vocab
+        self.seed, self.vocab, self.batches = seed, vocab, 0
+        self.rng = np.random.default_rng(seed)
+
+    def state(self) -> dict[str, int]:
+        """Where the stream is (the trainer keeps it with each rollout it launches)."""
+        return {"batches": self.batches}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        for _ in range(state["batches"]):
+            self.rng.integers(4, self.vocab, (PROMPTS, PROMPT_LEN))
+        self.batches = state["batches"]
 
     def __next__(self) -> dict[str, np.ndarray]:
+        self.batches += 1
         tokens = self.rng.integers(4, self.vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)
         index = np.zeros(PROMPTS, np.int32)
         return {"tokens": tokens, "mask": np.ones_like(tokens, bool), "index": index}
