@@ -100,6 +100,22 @@ def _learn_each(tmp_path, algorithm, variants, *, prompts=16, edit=None):
     return rollout, out
 
 
+# PPO, 2 epochs x 2 shuffled minibatches of 2 micro-batches (4 rows each).
+PPO_MINIBATCHES = ("ppo.loss.epochs=2", "ppo.loss.num_minibatches=2", "train.micro_batch_size=4")
+
+
+def _learn_ppo_packed_and_padded(tmp_path, *overrides, edit=None):
+    """:func:`_learn_each` of PPO with :data:`PPO_MINIBATCHES` and ``overrides``, sequences
+    packed (``True``) and padded (``False``)."""
+    common = [*PPO_MINIBATCHES, *overrides]
+    return _learn_each(
+        tmp_path,
+        "ppo",
+        {p: (_mesh(), [*common, f"ppo.rollout.pack_sequences={p}"]) for p in (True, False)},
+        edit=edit,
+    )
+
+
 def _assert_same_iteration(a, b, rollout):
     """Scored per-token arrays on response tokens, every update and scoring metric, and the
     parameters within 1e-5."""
@@ -120,16 +136,7 @@ def test_packed_ppo_iteration_equals_unpacked(fast_compile, tmp_path):
     """PPO with a critic, KL in the reward (old log-probs scored), 2 epochs x 2 shuffled
     minibatches of 2 micro-batches (4 rows each): packed scoring and update vs padded rows.
     Also the FLOPs: throughput counts the packed slots each phase ran."""
-    common = [
-        "ppo.loss.epochs=2",
-        "ppo.loss.num_minibatches=2",
-        "train.micro_batch_size=4",
-    ]
-    rollout, out = _learn_each(
-        tmp_path,
-        "ppo",
-        {p: (_mesh(), [*common, f"ppo.rollout.pack_sequences={p}"]) for p in (True, False)},
-    )
+    rollout, out = _learn_ppo_packed_and_padded(tmp_path)
     trainer, _, _, m = out[True]
     assert trainer.layout.rl.num_micro == 2
     assert trainer.layout.rl.packing.score == 16 and trainer.layout.rl.packing.update == 4
@@ -160,17 +167,7 @@ def test_packed_lora_and_hydra_ppo_iterations_equal_unpacked(fast_compile, tmp_p
     """The PPO iteration above with LoRA learners (adapters trained over a frozen base) or a
     Hydra critic (both branches over a frozen trunk; one joint scoring forward): their
     scoring and update forwards pack sequences as the plain models' do, to the same 1e-5."""
-    common = [
-        "ppo.loss.epochs=2",
-        "ppo.loss.num_minibatches=2",
-        "train.micro_batch_size=4",
-        *models,
-    ]
-    rollout, out = _learn_each(
-        tmp_path,
-        "ppo",
-        {p: (_mesh(), [*common, f"ppo.rollout.pack_sequences={p}"]) for p in (True, False)},
-    )
+    rollout, out = _learn_ppo_packed_and_padded(tmp_path, *models)
     trainer, _, _, m = out[True]
     assert (trainer.programs.policy_lora is None) != (trainer.programs.hydra is None)
     assert m["packing/score_rows"] < 16 and m["packing/update_rows"] < 4  # fewer rows ran
@@ -198,19 +195,12 @@ def test_packed_iteration_with_rollout_correction_equals_unpacked(
         behaviour = rollout.sampler_logprobs + noise.astype(np.float32)
         return rollout.replace(sampler_logprobs=np.where(rollout.response_mask, behaviour, 0.0))
 
-    common = [
-        "ppo.loss.epochs=2",
-        "ppo.loss.num_minibatches=2",
-        "train.micro_batch_size=4",
+    rollout, out = _learn_ppo_packed_and_padded(
+        tmp_path,
         f"ppo.loss.rollout_correction.weights={weights}",
         f"ppo.loss.rollout_correction.level={level}",
         "ppo.loss.rollout_correction.cap=1.5",
         f"ppo.loss.rollout_correction.floor={floor}",
-    ]
-    rollout, out = _learn_each(
-        tmp_path,
-        "ppo",
-        {p: (_mesh(), [*common, f"ppo.rollout.pack_sequences={p}"]) for p in (True, False)},
         edit=skew,
     )
     m = out[True][3]
