@@ -182,6 +182,7 @@ class DryRunReport:
     notes: tuple[str, ...] = ()
     sync_bytes: tuple[int, int] | None = None  # LoRA policy: (adapter, full) sync per iteration
     critic_bytes: tuple[int, int] | None = None  # Hydra critic: (its, a separate one's) per device
+    reshard_bytes: int = 0  # RL: bytes a sampler device receives when the policy moves to it
 
     @property
     def devices(self) -> int:
@@ -357,6 +358,7 @@ def plan(
         notes=tuple(planner.notes),
         sync_bytes=planner.sync_bytes,
         critic_bytes=planner.critic_bytes,
+        reshard_bytes=planner.reshard_bytes,
     )
 
 
@@ -381,9 +383,22 @@ def mesh_devices(mesh: MeshConfig) -> int | None:
 
 def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
     """Devices the whole run needs, or None when a -1 (fill) axis leaves it open: the
-    sampler's own mesh if it has one, else the training mesh (its ``train_devices``)."""
+    sampler's own mesh if it has one; with role groups, ``cpu_devices`` or every device the
+    groups name; else the training mesh (its ``train_devices``)."""
     if placement.generate_mesh is not None:
         return mesh_devices(placement.generate_mesh)
+    if placement.strategy != "colocated":  # role groups: every device they name
+        if placement.cpu_devices is not None:
+            return placement.cpu_devices
+        named = [
+            i
+            for group in (placement.sampler, placement.learner, placement.critic)
+            if group is not None
+            for i in group.devices
+        ]
+        if named and all(g is None or g.devices for g in (placement.sampler, placement.critic)):
+            return max(named) + 1
+        return None
     if placement.train_devices != -1:
         return placement.train_devices
     return mesh_devices(mesh)

@@ -28,6 +28,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
+from jaxrlhf.plan.program_cost import ProgramCost, program_cost
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
 from jaxrlhf.train.state import TrainState, create_state
@@ -55,6 +56,9 @@ class ProgramMemory:
       resident_bytes: trees on the device while it runs that are not its arguments.
       state_bytes: parameters and optimizer states on the device while it runs (analytic).
       compile_s: seconds to lower and compile.
+      cost: XLA's cost analysis per device, loop bodies counted once (the planner's input).
+      runs: how many times per iteration that loop body runs when every sample generates
+        ``max_new_tokens`` (decode steps, micro-batches x minibatches x epochs, ...).
     """
 
     phase: str
@@ -66,6 +70,8 @@ class ProgramMemory:
     resident_bytes: int
     state_bytes: int
     compile_s: float
+    cost: ProgramCost | None = None
+    runs: float = 1.0
 
     @property
     def peak_bytes(self) -> int:
@@ -128,6 +134,7 @@ class Planner:
         self.notes: list[str] = []
         self.sync_bytes: tuple[int, int] | None = None  # LoRA: (adapters, full) per iteration
         self.critic_bytes: tuple[int, int] | None = None  # Hydra: (its critic, a separate one)
+        self.reshard_bytes = 0  # bytes a device receives moving the policy to the sampler
         self.replicated = NamedSharding(mesh, P())
         self.key = jax.eval_shape(lambda: jax.random.key(0))
 
@@ -210,10 +217,12 @@ class Planner:
         *,
         live: Sequence[str],
         passed: Sequence[str],
+        runs: float = 1.0,
     ) -> Any:
         """Lowers and compiles ``jitted(*args)``; records its memory; returns the executable.
 
-        ``live``: the trees on the devices meanwhile; ``passed``: those among ``args``.
+        ``live``: the trees on the devices meanwhile; ``passed``: those among ``args``;
+        ``runs``: :attr:`ProgramMemory.runs`.
         """
         start = time.perf_counter()
         try:
@@ -235,9 +244,21 @@ class Planner:
                 resident_bytes=max(0, state - self.nbytes(*passed)),
                 state_bytes=state,
                 compile_s=time.perf_counter() - start,
+                cost=program_cost(compiled, jitted_devices(args)),
+                runs=runs,
             )
         )
         return compiled
+
+
+def jitted_devices(args: Sequence[Any]) -> int:
+    """Devices the program's arguments span (its SPMD partition count)."""
+    devices = set()
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            devices |= set(sharding.device_set)
+    return max(1, len(devices))
 
 
 # ---- supervised algorithms (sft, reward_model, dpo) -------------------------------------------

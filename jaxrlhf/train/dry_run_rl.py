@@ -18,6 +18,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraParams, combine
 from jaxrlhf.models.packing import RowPacking, bucket_sizes
+from jaxrlhf.plan.reshard_cost import reshard_bytes
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
 from jaxrlhf.train.dry_run_phases import Planner, RoleMemory, sds
@@ -64,6 +65,8 @@ def _generate_copy(pl: Planner, name: str, source: str, shardings: Any) -> Any:
     ``jax.device_put`` does not copy); returns the whole copy, abstract."""
     abstract, train_sh = pl.trees[source]
     whole = pl.add(name, abstract, shardings)
+    moved = reshard_bytes(abstract, train_sh, shardings)
+    pl.reshard_bytes = max(moved.values(), default=0)
     same = jax.tree.map(
         lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, shardings, train_sh
     )
@@ -176,6 +179,7 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
         (gen_params, sampler_state, arrays),
         live=gen_live,
         passed=gen_passed,
+        runs=programs.algo.rollout.max_new_tokens,  # its scan body is one token
     )
 
 
@@ -199,9 +203,13 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
         sds((a * n,), jnp.int32),
     )
     admit = engine.admit_program(n, a, p_len, t)
-    pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed)
+    waves = -(-r.rows // engine.slots)  # every row max_new_tokens long: whole waves of slots
+    admits = -(-r.prompts_per_step // a)
+    pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed, runs=admits)
     chunk = engine.chunk_program(programs.sampling.static(), p_len)
-    pl.compile("generate", "decode", chunk, (gen_params, state, arrays), live=live, passed=passed)
+    steps = waves * -(-t // engine.chunk) * engine.chunk  # its scan body is one step
+    chunk_args = (gen_params, state, arrays)
+    pl.compile("generate", "decode", chunk, chunk_args, live=live, passed=passed, runs=steps)
     rows, widths = engine.view_buckets(t)
     views = [(rows[-1], w) for w in widths[:-1]] + [(r, t) for r in rows[:-1]]
     views = views if engine.views else []
@@ -211,7 +219,9 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
         ids_sharding = sharding.done if sharding is not None else None
         ids = sds((local * engine.slot_shards,), jnp.int32, ids_sharding)
         view_args = (gen_params, state, arrays, ids)
-        pl.compile("generate", "decode view", view, view_args, live=live, passed=passed)
+        pl.compile(  # runs only on a ragged tail (no full-length wave needs it)
+            "generate", "decode view", view, view_args, live=live, passed=passed, runs=0
+        )
     per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
     size = (
         f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"
@@ -238,7 +248,16 @@ def _plan_score(pl, programs, held, models, rm_params):
     )
     if rm_params is not None:
         args = (rm_params, batch.tokens, batch.mask, batch.packing, packed)
-        pl.compile("score", "reward", programs.reward, args, live=held, passed=["reward.params"])
+        micro = programs.layout.rl.score_micro
+        pl.compile(
+            "score",
+            "reward",
+            programs.reward,
+            args,
+            live=held,
+            passed=["reward.params"],
+            runs=micro,
+        )
     score_args = (
         policy_params,
         ref_params,
@@ -248,7 +267,15 @@ def _plan_score(pl, programs, held, models, rm_params):
         sds((), jnp.float32, pl.replicated),
         packed,
     )
-    score = pl.compile("score", "score", programs.score, score_args, live=held, passed=passed)
+    score = pl.compile(
+        "score",
+        "score",
+        programs.score,
+        score_args,
+        live=held,
+        passed=passed,
+        runs=programs.layout.rl.score_micro,  # map_micro's scan body is one micro-batch
+    )
     scored = jax.tree.map(
         lambda a, s: sds(a.shape, a.dtype, s),
         jax.eval_shape(lambda *a: programs.score(*a, packed), *score_args[:-1]),
@@ -390,6 +417,7 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         (states, learner_batch, pl.key, frozen, packed),
         live=held,
         passed=learners,
+        runs=algo.loss.epochs * algo.loss.num_minibatches * rl.num_micro,  # nested scans' body
     )
     loss, r = algo.loss, algo.rollout
     return (

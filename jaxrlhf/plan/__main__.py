@@ -1,0 +1,61 @@
+"""``python -m jaxrlhf.plan --config RUN.yaml --cluster SPEC [--calibrate] [--out PLAN.yaml]``.
+
+Prints the best plans for the run on the cluster, ranked by predicted seconds per iteration,
+and writes the best as a config overlay: ``python -m jaxrlhf.train --config RUN.yaml
+--config PLAN.yaml`` runs it. User errors print one line ``error: ...`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxrlhf.plan",
+        description="Choose placement, meshes, remat, micro-batches and staleness for an RL "
+        "run (ppo | grpo) from a cost model over its compiled programs.",
+    )
+    add = parser.add_argument
+    add("--config", action="append", required=True, help="run config(s), merged in order")
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    add(
+        "--cluster",
+        required=True,
+        help="device kind and count: h100x8, a100x16, tpu-v5e-64, cpu-2 (cpu: this host, "
+        "split into that many JAX devices)",
+    )
+    add("--out", metavar="PLAN.yaml", help="write the best plan here as a config overlay")
+    add("--top", type=int, default=8, help="plans to print (default 8)")
+    add("--calibrate", action="store_true", help="time the best plans here and fit the model")
+    add("--calibrate-plans", type=int, default=2, help="plans --calibrate runs (default 2)")
+    add("--calibrate-steps", type=int, default=5, help="iterations per calibration run")
+    add(
+        "--cost-model",
+        metavar="FILE",
+        help="cost model JSON: read it if it exists (a previous --calibrate), and "
+        "--calibrate writes it (default with --calibrate: plan_cost_model.json)",
+    )
+    add("--time-limit", type=float, default=600.0, help="search seconds for large spaces")
+    add("--exhaustive-limit", type=int, default=24, help="layouts searched exhaustively")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from jaxrlhf.config import ConfigError
+    from jaxrlhf.plan import planner
+    from jaxrlhf.sharding import MeshError, ShardingRuleError
+
+    try:
+        return planner.cli(args)
+    except (ConfigError, MeshError, ShardingRuleError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The plans the planner considers, as config overlays.
+
+A plan is an overlay of the run config: ``placement`` (strategy, device groups, meshes),
+``mesh`` (the learner's), ``model.remat``, ``train.micro_batch_size`` and the RL section's
+``rollout.max_staleness``. :func:`layouts` lists the placements and meshes of a cluster;
+:func:`memory_variants` the remat and micro-batch settings tried, cheapest first, when a
+layout does not fit (both only trade time for memory, so a plan that fits without them is
+never slower with them); :func:`staleness_variants` the staleness bounds of a separated
+plan (no recompilation: the programs are the same).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+from jaxrlhf.config import RunConfig, rl_section
+from jaxrlhf.models.config import ModelConfig
+
+__all__ = ["describe", "layouts", "memory_variants", "merge", "staleness_variants"]
+
+
+def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overlay`` merged in (nested mappings key by key, overlay wins)."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _tensor_sizes(model: ModelConfig, devices: int) -> list[int]:
+    """Tensor-parallel sizes that divide ``devices`` and the heads (at most 8: one node)."""
+    return [
+        t
+        for t in (1, 2, 4, 8)
+        if devices % t == 0 and model.num_heads % t == 0 and model.kv_heads % t == 0
+    ]
+
+
+def _meshes(model: ModelConfig, devices: int) -> list[dict[str, int]]:
+    """(data, fsdp, tensor) shapes over ``devices``: tensor within a node, the rest split
+    between data and fsdp at powers of two (data-only and fsdp-only included)."""
+    out = []
+    for t in _tensor_sizes(model, devices):
+        rest = devices // t
+        fsdp = 1
+        while fsdp <= rest:
+            if rest % fsdp == 0:
+                out.append({"data": rest // fsdp, "fsdp": fsdp, "tensor": t})
+            fsdp *= 2
+        if rest > 1 and not any(m["fsdp"] == rest and m["tensor"] == t for m in out):
+            out.append({"data": 1, "fsdp": rest, "tensor": t})
+    return out
+
+
+def _sampler_meshes(model: ModelConfig, devices: int) -> list[dict[str, int]]:
+    """The sampler's shapes: data-parallel replicas of a tensor-parallel policy."""
+    return [{"data": devices // t, "fsdp": 1, "tensor": t} for t in _tensor_sizes(model, devices)]
+
+
+def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]:
+    """Overlays of the placements and meshes of ``devices`` devices.
+
+    Colocated: every learner mesh, the sampler on the training mesh or on its own
+    data x tensor mesh over all devices. Separated (2+ devices): the sampler on the first
+    1/4, 1/2 or 3/4 of the devices, each side's meshes.
+    """
+    model = cfg.model.resolve()
+    base = {"cpu_devices": devices} if cpu else {}
+    for mesh in _meshes(model, devices):
+        yield {"placement": {**base, "strategy": "colocated"}, "mesh": mesh}
+        for gen in _sampler_meshes(model, devices):
+            if gen != mesh:
+                placement = {**base, "strategy": "colocated", "generate_mesh": gen}
+                yield {"placement": placement, "mesh": mesh}
+    splits = sorted({max(1, min(devices - 1, round(devices * f))) for f in (0.25, 0.5, 0.75)})
+    for k in splits if devices > 1 else ():
+        for smesh in _sampler_meshes(model, k):
+            for lmesh in _meshes(model, devices - k):
+                placement = {
+                    **base,
+                    "strategy": "separated",
+                    "sampler": {"devices": list(range(k)), "mesh": smesh},
+                    "learner": {"devices": list(range(k, devices)), "mesh": lmesh},
+                }
+                yield {"placement": placement, "mesh": lmesh}
+
+
+def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Overlays that trade time for memory, cheapest first: the config as is, then halved
+    micro-batches (down to one row per data shard), then full remat with each."""
+    out: list[dict[str, Any]] = [{}]
+    micro = []
+    size = rl_section(cfg).rollout.rows  # rows per data shard are fewer: invalid ones fail
+    while size > 1:
+        size //= 2
+        micro.append({"train": {"micro_batch_size": size}})
+    out += micro
+    if cfg.model.resolve().remat == "none":
+        out += [merge(m, {"model": {"remat": "full"}}) for m in [{}, *micro]]
+    return out
+
+
+def staleness_variants(cfg: RunConfig, overlay: dict[str, Any]) -> list[dict[str, Any]]:
+    """A separated plan at staleness 0, 1 and 2 (the config's own bound included); a
+    colocated one as it is (it runs synchronously)."""
+    if overlay.get("placement", {}).get("strategy") != "separated":
+        return [overlay]
+    section = cfg.algorithm
+    own = rl_section(cfg).rollout.max_staleness
+    bounds = sorted({0, 1, 2, own})
+    return [merge(overlay, {section: {"rollout": {"max_staleness": s}}}) for s in bounds]
+
+
+def describe(overlay: dict[str, Any], algorithm: str) -> str:
+    """One line naming a plan: strategy, groups and meshes, memory knobs, staleness."""
+
+    def shape(m: dict[str, int] | None) -> str:
+        if not m:
+            return "-"
+        return "x".join(f"{k[0]}{v}" for k, v in m.items() if v != 1) or "d1"
+
+    p = overlay.get("placement", {})
+    parts = []
+    if p.get("strategy") == "separated":
+        s, lrn = p["sampler"], p["learner"]
+        parts.append(
+            f"separated sampler {len(s['devices'])}:{shape(s.get('mesh'))} "
+            f"learner {len(lrn['devices'])}:{shape(lrn.get('mesh'))}"
+        )
+        stale = overlay.get(algorithm, {}).get("rollout", {}).get("max_staleness", 0)
+        parts.append(f"staleness {stale}")
+    else:
+        gen = p.get("generate_mesh")
+        parts.append(f"colocated {shape(overlay.get('mesh'))}")
+        parts.append(f"sampler {shape(gen) if gen else 'same mesh'}")
+    if "train" in overlay:
+        parts.append(f"micro {overlay['train']['micro_batch_size']}")
+    if overlay.get("model", {}).get("remat"):
+        parts.append(f"remat {overlay['model']['remat']}")
+    return ", ".join(parts)

@@ -1,0 +1,324 @@
+"""One plan's predicted seconds per iteration, memory per device and idle time.
+
+A plan is the run config with an overlay applied (placement, meshes, remat, micro-batches,
+staleness). :func:`estimate` prices it:
+
+1. **Compile** every program of the plan as the dry run does (``dry_run.plan``: the
+   trainers' own programs on abstract shapes, fake CPU devices), at 1 and at 2 decoder
+   layers, and extrapolate each program's cost (XLA's cost analysis: FLOPs, bytes accessed,
+   collective bytes) and peak memory affinely to the model's depth. Two shallow compiles
+   price a 70B model on a laptop in seconds; layers are identical, so cost and activation
+   memory are affine in depth (tests check it against a full-depth compile).
+2. **Time** each program as its runs per iteration (decode steps, micro-batches x
+   minibatches x epochs, ...; ``ProgramMemory.runs``) times its roofline seconds on the
+   cluster's device kind, divided by the phase's efficiency (the :class:`CostModel`:
+   defaults, or fitted by ``--calibrate``). The weight sync moves the bytes the dry run
+   measured between the training and sampling layouts over the links.
+3. **Schedule** several iterations on the placement's device groups
+   (:mod:`jaxrlhf.plan.simulator`): the steady-state period is the predicted seconds per
+   iteration; idle is the share of device-seconds no phase uses.
+4. **Reject** plans whose peak per device exceeds the usable memory, with the reason.
+
+Assumptions (stated in every report): every sample generates ``max_new_tokens`` tokens;
+programs compiled by XLA:CPU (its fusion and cost analysis stand in for the accelerator's);
+the update's optimizer step is counted once per micro-batch (an overestimate when
+``num_micro > 1``); a host reward function costs what the cost model says (0 uncalibrated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrlhf.config import ConfigError, RunConfig
+from jaxrlhf.plan.hardware import Cluster
+from jaxrlhf.plan.program_cost import ProgramCost, roofline_seconds
+from jaxrlhf.plan.simulator import Schedule, iteration_tasks, simulate
+from jaxrlhf.sharding import MeshError, ShardingRuleError
+
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "PHASES",
+    "USABLE_MEMORY",
+    "CostModel",
+    "PlanEstimate",
+    "ProgramEstimate",
+    "CompiledPlan",
+    "compile_plan",
+    "estimate",
+    "invalid_plan_errors",
+    "with_layers",
+]
+
+PHASES = ("generate", "score", "train", "sync")
+# Fractions of the roofline an uncalibrated plan assumes each phase reaches (typical of
+# large-model JAX programs: dense training near 40-50% MFU, decode near half the HBM
+# bandwidth); --calibrate replaces them with measured ones.
+DEFAULT_EFFICIENCY = {"generate": 0.5, "score": 0.5, "train": 0.4, "sync": 0.7}
+USABLE_MEMORY = 0.9  # of a device's memory: runtime reserve and fragmentation
+FULL_DEPTH_LAYERS = 4  # deeper models compile at 1 and 2 layers and are extrapolated
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Roofline efficiencies per phase and host seconds per iteration.
+
+    Attributes:
+      efficiency: phase -> achieved fraction of the roofline (predicted = roofline /
+        efficiency).
+      host_seconds: phase -> seconds per iteration spent on the host (the reward function,
+        Python between programs), added as they are.
+      calibrated_on: what the factors were fitted on (empty: the defaults).
+    """
+
+    efficiency: Mapping[str, float] = dataclasses.field(
+        default_factory=lambda: dict(DEFAULT_EFFICIENCY)
+    )
+    host_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    calibrated_on: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> CostModel:
+        """Reads :meth:`to_json`'s output.
+
+        Raises:
+          ConfigError: not such a file (one line naming ``source``).
+        """
+        try:
+            data = json.loads(text)
+            model = cls(
+                efficiency={k: float(v) for k, v in data["efficiency"].items()},
+                host_seconds={k: float(v) for k, v in data.get("host_seconds", {}).items()},
+                calibrated_on=str(data.get("calibrated_on", "")),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{source}: not a cost model written by --calibrate ({e})") from None
+        bad = [k for k, v in model.efficiency.items() if k not in PHASES or not v > 0]
+        if bad:
+            raise ConfigError(f"{source}: efficiency {bad[0]!r}: expected a phase with a value > 0")
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramEstimate:
+    """One program of a plan at the model's depth.
+
+    Attributes:
+      phase, name: as the dry run names them.
+      runs: times its (loop body) cost is paid per iteration.
+      cost: per-device cost of one run.
+      peak_bytes: its peak bytes per device (XLA memory analysis + resident state).
+      seconds: predicted seconds per iteration (runs x roofline / efficiency).
+    """
+
+    phase: str
+    name: str
+    runs: float
+    cost: ProgramCost
+    peak_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEstimate:
+    """What :func:`estimate` predicts for one plan.
+
+    Attributes:
+      label: the plan in one line.
+      overlay: the config overlay that makes the run follow this plan.
+      phases: predicted seconds per iteration of ``generate``, ``score``, ``train``, ``sync``.
+      iteration_s: predicted steady-state seconds per iteration (the simulator's period).
+      idle_fraction: share of device-seconds no phase uses in the steady state.
+      programs: per program.
+      reshard_bytes: bytes a sampler device receives per weight sync.
+      peak_bytes: the largest program peak per device.
+      rejected: why the plan cannot run ("" when it can).
+      groups: device group -> devices.
+    """
+
+    label: str
+    overlay: Mapping[str, Any]
+    phases: Mapping[str, float]
+    iteration_s: float
+    idle_fraction: float
+    programs: tuple[ProgramEstimate, ...]
+    reshard_bytes: int
+    peak_bytes: int
+    rejected: str = ""
+    groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.rejected
+
+
+def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
+    """``cfg`` with its model cut to ``layers`` decoder layers (a Hydra critic's branch
+    point moved to the last of them)."""
+    spec = cfg.model
+    model = dataclasses.replace(spec, overrides={**spec.overrides, "num_layers": layers})
+    cfg = cfg.replace(model=model)
+    if cfg.algorithm == "ppo" and cfg.ppo.value.branch_layer is not None:
+        value = dataclasses.replace(cfg.ppo.value, branch_layer=min(cfg.ppo.value.branch_layer, 1))
+        cfg = cfg.replace(ppo=dataclasses.replace(cfg.ppo, value=value))
+    return cfg
+
+
+def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
+    """The dry run's programs at 1 and 2 layers, extrapolated: ``[(phase, name, runs, cost,
+    peak)]``, the weight-sync bytes and the 1-layer report."""
+    from jaxrlhf.train import dry_run
+
+    depth = cfg.model.resolve().num_layers
+    if depth <= FULL_DEPTH_LAYERS:  # shallow enough to compile as it is
+        report = dry_run.plan(cfg, source=source)
+        programs = [(p.phase, p.name, p.runs, p.cost, p.peak_bytes) for p in report.programs]
+        sync = report.sync_bytes[0] if report.sync_bytes is not None else report.reshard_bytes
+        return programs, sync, report
+    reports = [dry_run.plan(with_layers(cfg, k), source=source) for k in (1, 2)]
+    first, second = reports[0], reports[-1]
+    programs = []
+    for a, b in zip(first.programs, second.programs, strict=True):
+        cost = a.cost.extrapolate(b.cost, depth)
+        peak = a.peak_bytes + (depth - 1) * (b.peak_bytes - a.peak_bytes)
+        programs.append((a.phase, a.name, a.runs, cost, int(peak)))
+    sync = first.reshard_bytes + (depth - 1) * (second.reshard_bytes - first.reshard_bytes)
+    if first.sync_bytes is not None:  # LoRA: the adapters move (extrapolated likewise)
+        sync = first.sync_bytes[0] + (depth - 1) * (second.sync_bytes[0] - first.sync_bytes[0])
+    return programs, int(sync), first
+
+
+def _groups(cfg: RunConfig, devices: int) -> tuple[dict[str, int], bool]:
+    """Devices per group (``all``, or ``sampler`` and ``learner``) and whether separated."""
+    from jaxrlhf.sharding.placement import role_devices
+
+    p = cfg.placement
+    if p.strategy == "separated":
+        groups = role_devices(p, devices)
+        return {"sampler": len(groups["sampler"]), "learner": len(groups["learner"])}, True
+    return {"all": devices}, False
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPlan:
+    """A plan's programs at the model's depth (what :func:`compile_plan` extrapolated):
+    ``programs`` as ``(phase, name, runs, cost, peak bytes)``, the weight-sync bytes."""
+
+    programs: tuple[tuple[str, str, float, ProgramCost, int], ...]
+    sync_bytes: int
+    source: str
+
+
+def compile_plan(cfg: RunConfig, source: str = "<plan>") -> CompiledPlan:
+    """Compiles ``cfg``'s programs (this process must have the devices its placement
+    names, as CPU devices) and extrapolates them to the model's depth.
+
+    Raises:
+      ConfigError, MeshError, ShardingRuleError, DryRunError: the plan is not a valid run
+        (:func:`invalid_plan_errors`).
+    """
+    programs, sync, report = _compiled_programs(cfg, source)
+    return CompiledPlan(tuple(programs), sync, report.source)
+
+
+def estimate(
+    cfg: RunConfig,
+    cluster: Cluster,
+    model: CostModel,
+    *,
+    compiled: CompiledPlan | None = None,
+    overlay: Mapping[str, Any] | None = None,
+    label: str = "",
+) -> PlanEstimate:
+    """Predicts ``cfg`` on ``cluster`` from its compiled programs (:func:`compile_plan`,
+    compiled here when None).
+
+    Raises:
+      the errors of :func:`compile_plan`.
+    """
+    from jaxrlhf.config import rl_section
+
+    spec = cluster.spec
+    compiled = compile_plan(cfg) if compiled is None else compiled
+    programs, sync_bytes = compiled.programs, compiled.sync_bytes
+    phases = dict.fromkeys(PHASES, 0.0)
+    priced = []
+    for phase, name, runs, cost, peak in programs:
+        link = spec.link_for(cost.devices)
+        one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, link)
+        seconds = runs * one / model.efficiency.get(phase, DEFAULT_EFFICIENCY[phase])
+        priced.append(ProgramEstimate(phase, name, runs, cost, peak, seconds))
+        phases[phase] += seconds
+    groups, separated = _groups(cfg, cluster.count)
+    link = spec.link_for(cluster.count if separated else max(groups.values()))
+    phases["sync"] = sync_bytes / link / model.efficiency.get("sync", DEFAULT_EFFICIENCY["sync"])
+    for phase, seconds in model.host_seconds.items():
+        phases[phase] = phases.get(phase, 0.0) + seconds
+    algo = rl_section(cfg)
+    staleness = algo.rollout.max_staleness if separated else 0
+    schedule, period = _steady_state(phases, separated, staleness, cfg.placement.weight_sync_every)
+    idle = _idle(schedule, groups, period)
+    peak = max(priced, key=lambda p: p.peak_bytes)
+    usable = USABLE_MEMORY * spec.memory_bytes
+    rejected = ""
+    if peak.peak_bytes > usable:
+        rejected = (
+            f"{peak.phase}/{peak.name} needs {peak.peak_bytes / 2**30:.1f} GiB per device, over "
+            f"the {usable / 2**30:.1f} GiB usable of a {spec.name} ({USABLE_MEMORY:.0%})"
+        )
+    return PlanEstimate(
+        label=label or compiled.source,
+        overlay=dict(overlay or {}),
+        phases=phases,
+        iteration_s=period,
+        idle_fraction=idle,
+        programs=tuple(priced),
+        reshard_bytes=sync_bytes,
+        peak_bytes=peak.peak_bytes,
+        rejected=rejected,
+        groups=groups,
+    )
+
+
+def _steady_state(
+    phases: Mapping[str, float], separated: bool, staleness: int, sync_every: int
+) -> tuple[tuple[Schedule, float, float], float]:
+    """The schedule of enough iterations to reach the steady state, its window and period."""
+    n = 6 + 2 * staleness + 2 * sync_every
+    schedule = simulate(
+        iteration_tasks(
+            phases,
+            separated=separated,
+            iterations=n,
+            max_staleness=staleness,
+            weight_sync_every=sync_every,
+        )
+    )
+    start, end = schedule.end["train1"], schedule.end[f"train{n - 1}"]
+    period = (end - start) / (n - 2) if end > start else schedule.makespan / n
+    return (schedule, start, end), period
+
+
+def _idle(window: tuple[Schedule, float, float], groups: Mapping[str, int], period: float) -> float:
+    schedule, start, end = window
+    if end <= start or period <= 0:
+        return 0.0
+    total = sum(groups.values())
+    busy = sum(schedule.busy(g, start, end) * n for g, n in groups.items())
+    return max(0.0, 1.0 - busy / (total * (end - start)))
+
+
+def invalid_plan_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean "this plan is not a valid run" (rejected, not a crash)."""
+    from jaxrlhf.train.dry_run_phases import DryRunError
+
+    return (ConfigError, MeshError, ShardingRuleError, DryRunError)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,172 @@
+"""Searching the plans: exhaustive over a small space, simulated annealing over a large one.
+
+Each layout (placement, groups, meshes: ``candidates.layouts``) is compiled once per memory
+variant until one fits (``candidates.memory_variants``), then every staleness bound of it is
+scored by the simulator alone. :func:`search` visits every layout when there are at most
+``exhaustive_limit``, else runs a Metropolis walk over them (a neighbour changes the
+strategy/split or one group's mesh; worse plans are accepted with probability
+``exp(-relative slowdown / temperature)``, the temperature falling linearly to zero) until
+the time limit. Compiled plans are cached, so re-ranking under a new cost model
+(``--calibrate``) recompiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxrlhf.config import from_dict
+from jaxrlhf.plan import candidates
+from jaxrlhf.plan.estimate import (
+    CompiledPlan,
+    CostModel,
+    PlanEstimate,
+    compile_plan,
+    estimate,
+    invalid_plan_errors,
+)
+from jaxrlhf.plan.hardware import Cluster
+
+__all__ = ["Evaluated", "Searcher", "search"]
+
+
+@dataclasses.dataclass
+class Evaluated:
+    """A plan the search compiled: its overlay, config data and compiled programs (None with
+    ``error`` when it is not a valid run or does not fit)."""
+
+    overlay: dict[str, Any]
+    label: str
+    compiled: CompiledPlan | None
+    error: str = ""
+
+
+class Searcher:
+    """Compiles and prices plans of one run on one cluster, caching what it compiled."""
+
+    def __init__(self, base: dict[str, Any], cluster: Cluster, source: str, log=print):
+        self.base, self.cluster, self.source, self.log = base, cluster, source, log
+        self.cfg = from_dict(base, source=source)
+        self.evaluated: list[Evaluated] = []
+        self._by_layout: dict[str, float] = {}
+
+    def config(self, overlay: dict[str, Any]):
+        return from_dict(candidates.merge(self.base, overlay), source=self.source)
+
+    def layout(self, overlay: dict[str, Any], model: CostModel) -> float:
+        """Compiles ``overlay``'s layout (memory variants until one fits) and records it with
+        its staleness variants; returns the best predicted seconds per iteration (inf when
+        no variant runs)."""
+        key = repr(sorted(overlay.items()))
+        if key in self._by_layout:
+            return self._by_layout[key]
+        best = math.inf
+        algo = self.cfg.algorithm
+        for variant in candidates.memory_variants(self.cfg):
+            plan = candidates.merge(overlay, variant)
+            label = candidates.describe(plan, algo)
+            start = time.perf_counter()
+            try:
+                cfg = self.config(plan)
+                compiled = compile_plan(cfg, self.source)
+            except invalid_plan_errors() as e:
+                self.evaluated.append(Evaluated(plan, label, None, _first_line(e)))
+                if "micro_batch_size" in str(e):
+                    continue  # this micro-batch size does not divide the rows: try smaller
+                break  # not a valid layout: memory knobs do not change that
+            fits = estimate(cfg, self.cluster, model, compiled=compiled)
+            took = time.perf_counter() - start
+            if not fits.fits:
+                self.evaluated.append(Evaluated(plan, label, None, fits.rejected))
+                self.log(f"  {label}: rejected, {fits.rejected} ({took:.0f} s)")
+                continue
+            for stale in candidates.staleness_variants(self.cfg, plan):
+                e = Evaluated(stale, candidates.describe(stale, algo), compiled)
+                self.evaluated.append(e)
+                best = min(best, self.price(e, model).iteration_s)
+            self.log(f"  {label}: {best:.3f} s/iteration predicted ({took:.0f} s to compile)")
+            break
+        self._by_layout[key] = best
+        return best
+
+    def price(self, e: Evaluated, model: CostModel) -> PlanEstimate:
+        """The estimate of an evaluated plan under ``model`` (no recompilation)."""
+        return estimate(
+            self.config(e.overlay),
+            self.cluster,
+            model,
+            compiled=e.compiled,
+            overlay=e.overlay,
+            label=e.label,
+        )
+
+    def ranked(self, model: CostModel) -> tuple[list[PlanEstimate], list[Evaluated]]:
+        """Valid plans fastest first, and the rejected ones."""
+        ok = [self.price(e, model) for e in self.evaluated if e.compiled is not None]
+        return sorted(ok, key=lambda p: p.iteration_s), [
+            e for e in self.evaluated if e.compiled is None
+        ]
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _features(overlay: dict[str, Any]) -> tuple[str, str, str]:
+    p = overlay.get("placement", {})
+    if p.get("strategy") == "separated":
+        return (
+            f"separated{len(p['sampler']['devices'])}",
+            repr(p["learner"].get("mesh")),
+            repr(p["sampler"].get("mesh")),
+        )
+    return ("colocated", repr(overlay.get("mesh")), repr(p.get("generate_mesh")))
+
+
+def search(
+    searcher: Searcher,
+    layouts: Sequence[dict[str, Any]],
+    model: CostModel,
+    *,
+    time_limit_s: float,
+    exhaustive_limit: int = 24,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> str:
+    """Visits ``layouts`` (all, or an annealing walk within ``time_limit_s``); returns how
+    (``"exhaustive, N layouts"`` / ``"annealing, N of M layouts in S s"``)."""
+    if len(layouts) <= exhaustive_limit:
+        for overlay in layouts:
+            searcher.layout(overlay, model)
+        return f"exhaustive, {len(layouts)} layouts"
+    rng = random.Random(seed)
+    start = clock()
+    current = rng.randrange(len(layouts))
+    cost = searcher.layout(layouts[current], model)
+    feats = [_features(o) for o in layouts]
+    visited = {current}
+    while clock() - start < time_limit_s and len(visited) < len(layouts):
+        temperature = max(1e-3, 1.0 - (clock() - start) / time_limit_s)
+        near = [
+            i
+            for i in range(len(layouts))
+            if i != current
+            and sum(a != b for a, b in zip(feats[i], feats[current], strict=True)) <= 1
+        ]
+        unseen = [i for i in near if i not in visited] or [
+            i for i in range(len(layouts)) if i not in visited
+        ]
+        proposal = rng.choice(unseen)
+        visited.add(proposal)
+        new = searcher.layout(layouts[proposal], model)
+        if math.isinf(cost) or new <= cost:
+            current, cost = proposal, new
+        elif not math.isinf(new):
+            if rng.random() < math.exp(-(new - cost) / cost / temperature):
+                current, cost = proposal, new
+    took = clock() - start
+    return f"annealing, {len(visited)} of {len(layouts)} layouts in {took:.0f} s"

@@ -1,0 +1,140 @@
+"""A list-scheduling simulator: tasks on device groups, their makespan and idle time.
+
+A :class:`Task` occupies one or more device groups (``"learner"``, ``"sampler"``, ...) for
+``seconds`` once every task it depends on has finished. :func:`simulate` is a list
+scheduler: it keeps starting the ready task that can start earliest, when its dependencies
+are done and all its groups are free; a group runs one task at a time.
+:func:`iteration_tasks` unrolls the RL iteration of a placement (generate, reshard, score,
+update, weight sync) over several iterations with bounded staleness, the graph
+:mod:`jaxrlhf.plan.estimate` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+__all__ = ["Schedule", "Task", "iteration_tasks", "simulate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """``seconds`` of work on ``groups`` after ``deps`` (task names) have finished."""
+
+    name: str
+    groups: tuple[str, ...]
+    seconds: float
+    deps: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When each task ran: ``start[name]``, ``end[name]`` (seconds from 0)."""
+
+    tasks: tuple[Task, ...]
+    start: Mapping[str, float]
+    end: Mapping[str, float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end.values(), default=0.0)
+
+    def busy(self, group: str, since: float = 0.0, until: float | None = None) -> float:
+        """Seconds ``group`` is busy in ``[since, until]``."""
+        until = self.makespan if until is None else until
+        return sum(
+            max(0.0, min(self.end[t.name], until) - max(self.start[t.name], since))
+            for t in self.tasks
+            if group in t.groups
+        )
+
+
+def simulate(tasks: Sequence[Task]) -> Schedule:
+    """List-schedules ``tasks``: repeatedly starts, among the tasks whose dependencies are
+    scheduled, the one that can start earliest (ties: the earlier in ``tasks``), at the time
+    its dependencies are done and its groups free. A group runs one task at a time and a
+    started task is not interrupted.
+
+    Raises:
+      ValueError: a name repeats, or a dependency names no task (or a cycle).
+    """
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"task {next(n for n in names if names.count(n) > 1)!r} appears twice")
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    free: dict[str, float] = {}
+    pending = list(tasks)
+    while pending:
+        best, best_at = None, float("inf")
+        for task in pending:
+            if all(d in end for d in task.deps):
+                at = max(
+                    [0.0, *(end[d] for d in task.deps), *(free.get(g, 0.0) for g in task.groups)]
+                )
+                if at < best_at:
+                    best, best_at = task, at
+        if best is None:
+            missing = next(d for t in pending for d in t.deps if d not in end)
+            raise ValueError(f"task {pending[0].name!r}: dependency {missing!r} never runs")
+        start[best.name], end[best.name] = best_at, best_at + best.seconds
+        for g in best.groups:
+            free[g] = end[best.name]
+        pending.remove(best)
+    return Schedule(tuple(tasks), start, end)
+
+
+def iteration_tasks(
+    phases: Mapping[str, float],
+    *,
+    separated: bool,
+    iterations: int,
+    max_staleness: int = 0,
+    weight_sync_every: int = 1,
+) -> list[Task]:
+    """The tasks of ``iterations`` RL iterations.
+
+    Args:
+      phases: seconds of ``generate``, ``score`` (reward and scoring forwards), ``train``
+        (the update) and ``sync`` (moving the policy's weights to the sampler's layout).
+      separated: the sampler on a ``sampler`` group of its own (else every phase on
+        ``all``, one after the other).
+      max_staleness: iteration ``i`` may sample with the weights of update ``i - 1 - s``
+        for ``s <= max_staleness`` (0: each rollout uses the latest weights).
+      weight_sync_every: the weights move after every this many updates.
+
+    Colocated: ``sync -> generate -> score -> train`` per iteration on ``all``. Separated:
+    ``generate_i`` on ``sampler`` waits for the weights of update ``i - 1 - max_staleness``
+    (the sync after it, which the sampler runs between its batches); ``score_i`` and
+    ``train_i`` run on ``learner``.
+    """
+    tasks: list[Task] = []
+    if not separated:
+        prev: tuple[str, ...] = ()
+        for i in range(iterations):
+            sync = i % weight_sync_every == 0 and phases["sync"] > 0
+            if sync:
+                tasks.append(Task(f"sync{i}", ("all",), phases["sync"], prev))
+                prev = (f"sync{i}",)
+            tasks.append(Task(f"generate{i}", ("all",), phases["generate"], prev))
+            tasks.append(Task(f"score{i}", ("all",), phases["score"], (f"generate{i}",)))
+            tasks.append(Task(f"train{i}", ("all",), phases["train"], (f"score{i}",)))
+            prev = (f"train{i}",)
+        return tasks
+    synced: dict[int, str] = {}  # update index -> the sync task that carried its weights
+    for i in range(iterations):
+        deps = []
+        needed = i - 1 - max_staleness  # the oldest update this rollout may lag behind
+        if needed >= 0:
+            carrier = next((synced[u] for u in range(needed, i) if u in synced), None)
+            if carrier is None:  # no sync since: wait for the one after update `needed`
+                carrier = next(synced[u] for u in sorted(synced) if u >= needed)
+            deps.append(carrier)
+        tasks.append(Task(f"generate{i}", ("sampler",), phases["generate"], tuple(deps)))
+        tasks.append(Task(f"score{i}", ("learner",), phases["score"], (f"generate{i}",)))
+        tasks.append(Task(f"train{i}", ("learner",), phases["train"], (f"score{i}",)))
+        if (i + 1) % weight_sync_every == 0:
+            # The sampler takes the new weights between its batches: the copy occupies it.
+            tasks.append(Task(f"sync{i}", ("sampler",), phases["sync"], (f"train{i}",)))
+            synced[i] = f"sync{i}"
+    return tasks
