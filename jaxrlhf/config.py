@@ -77,6 +77,7 @@ PRESETS = (
     "bench_s",
     "bench_m",
     "llama3_8b",
+    "llama3_70b",
     "llama2_7b",
     "mistral_7b",
     "qwen2_7b",

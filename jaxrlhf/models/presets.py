@@ -135,6 +135,14 @@ class NamedPresets:
         )
 
     @classmethod
+    def llama3_70b(cls: type[Config], **overrides: Any) -> Config:
+        """Meta-Llama-3-70B's architecture (Llama-3-8B's, wider and deeper)."""
+        return cls.llama3_8b(
+            **dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)
+            | overrides
+        )
+
+    @classmethod
     def llama2_7b(cls: type[Config], **overrides: Any) -> Config:
         return cls(
             **dict(

@@ -18,7 +18,7 @@ from typing import Any
 from jaxrlhf.config import RunConfig, rl_section
 from jaxrlhf.models.config import ModelConfig
 
-__all__ = ["describe", "layouts", "memory_variants", "merge", "staleness_variants"]
+__all__ = ["describe", "flat", "layouts", "memory_variants", "merge", "staleness_variants"]
 
 
 def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +70,17 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
     1/4, 1/2 or 3/4 of the devices, each side's meshes.
     """
     model = cfg.model.resolve()
-    base = {"cpu_devices": devices} if cpu else {}
+    # Every placement field a plan decides is set, so nothing of the run's own placement
+    # (its generate_mesh, groups, sync cadence) leaks into a plan that does not use it.
+    base = {
+        **({"cpu_devices": devices} if cpu else {}),
+        "train_devices": -1,
+        "generate_mesh": None,
+        "sampler": None,
+        "learner": None,
+        "critic": None,
+        "weight_sync_every": 1,
+    }
     for mesh in _meshes(model, devices):
         yield {"placement": {**base, "strategy": "colocated"}, "mesh": mesh}
         for gen in _sampler_meshes(model, devices):
@@ -90,6 +100,19 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
                 yield {"placement": placement, "mesh": lmesh}
 
 
+def flat(cfg: RunConfig, devices: int, cpu: bool) -> dict[str, Any]:
+    """The flattened plan ReaLHF compares with: every role on every device, one mesh
+    (fully sharded data parallel over all of them) for every phase."""
+    return next(
+        o
+        for o in layouts(cfg, devices, cpu)
+        if o["placement"]["strategy"] == "colocated"
+        and o["placement"]["generate_mesh"] is None
+        and o["mesh"] == {"data": 1, "fsdp": devices, "tensor": 1}
+        or devices == 1
+    )
+
+
 def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
     """Overlays that trade time for memory, cheapest first: the config as is, then halved
     micro-batches (down to one row per data shard), then full remat with each."""
@@ -106,13 +129,14 @@ def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
 
 
 def staleness_variants(cfg: RunConfig, overlay: dict[str, Any]) -> list[dict[str, Any]]:
-    """A separated plan at staleness 0, 1 and 2 (the config's own bound included); a
-    colocated one as it is (it runs synchronously)."""
+    """A separated plan at staleness 0, 1 and 2 (the config's own bound included; 0 only
+    with a reward model, which asynchronous RL does not take); a colocated one as it is."""
     if overlay.get("placement", {}).get("strategy") != "separated":
         return [overlay]
-    section = cfg.algorithm
-    own = rl_section(cfg).rollout.max_staleness
-    bounds = sorted({0, 1, 2, own})
+    section, algo = cfg.algorithm, rl_section(cfg)
+    if algo.reward.model_dir is not None:  # asynchronous RL scores with reward functions
+        return [merge(overlay, {section: {"rollout": {"max_staleness": 0}}})]
+    bounds = sorted({0, 1, 2, algo.rollout.max_staleness})
     return [merge(overlay, {section: {"rollout": {"max_staleness": s}}}) for s in bounds]
 
 
@@ -126,7 +150,9 @@ def describe(overlay: dict[str, Any], algorithm: str) -> str:
 
     p = overlay.get("placement", {})
     parts = []
-    if p.get("strategy") == "separated":
+    if not p:
+        parts.append("as configured")
+    elif p.get("strategy") == "separated":
         s, lrn = p["sampler"], p["learner"]
         parts.append(
             f"separated sampler {len(s['devices'])}:{shape(s.get('mesh'))} "

@@ -289,7 +289,7 @@ def _steady_state(
     phases: Mapping[str, float], separated: bool, staleness: int, sync_every: int
 ) -> tuple[tuple[Schedule, float, float], float]:
     """The schedule of enough iterations to reach the steady state, its window and period."""
-    n = 6 + 2 * staleness + 2 * sync_every
+    n = 10 + 3 * staleness + 3 * sync_every
     schedule = simulate(
         iteration_tasks(
             phases,
@@ -299,8 +299,11 @@ def _steady_state(
             weight_sync_every=sync_every,
         )
     )
-    start, end = schedule.end["train1"], schedule.end[f"train{n - 1}"]
-    period = (end - start) / (n - 2) if end > start else schedule.makespan / n
+    # The window: past the start-up (the sampler running ahead to its bound) and before the
+    # end (where the sampler has no further rollouts to make).
+    first, last = n // 3, n - 2 - staleness - sync_every
+    start, end = schedule.end[f"train{first}"], schedule.end[f"train{last}"]
+    period = (end - start) / (last - first) if end > start else schedule.makespan / n
     return (schedule, start, end), period
 
 

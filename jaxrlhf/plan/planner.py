@@ -116,6 +116,12 @@ def cli(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         exhaustive_limit=args.exhaustive_limit,
     )
+    references = {  # what the best plan is compared with
+        "flat": candidates.flat(searcher.cfg, count, is_cpu),
+        "as configured": {},
+    }
+    for overlay in references.values():
+        searcher.layout(overlay, model)
     plans, rejected = searcher.ranked(model)
     if args.calibrate and plans:
         model = _calibrate(searcher, plans[: args.calibrate_plans], args)
@@ -130,6 +136,8 @@ def cli(args: argparse.Namespace) -> int:
         f"{fitted}; seconds per iteration, bytes per device)"
     )
     print(format_plans(plans, rejected, args.top, header))
+    for name, overlay in references.items():
+        print(_compare(searcher, plans, overlay, name, model))
     if not plans:
         print("error: no plan fits (rejected plans above)", file=sys.stderr)
         return 1
@@ -140,6 +148,30 @@ def cli(args: argparse.Namespace) -> int:
             f"--config {args.out}"
         )
     return 0
+
+
+def _compare(
+    searcher: Searcher, plans: Sequence[PlanEstimate], overlay: dict, name: str, model
+) -> str:
+    """One line: the best plan's predicted speedup over a reference plan."""
+    seconds, fastest = searcher.best_of(overlay, model)
+    if fastest is None or not plans:
+        return f"{name}: does not run ({_reason(searcher, overlay)})"
+    ref = searcher.price(fastest, model)
+    speedup = ref.iteration_s / plans[0].iteration_s
+    return f"best plan vs {name} ({ref.label}): {ref.iteration_s:.3f} s -> {speedup:.2f}x"
+
+
+def _reason(searcher: Searcher, overlay: dict) -> str:
+    reasons = [e.error for e in searcher.evaluated if e.error and _within(overlay, e.overlay)]
+    return reasons[-1] if reasons else "not evaluated"
+
+
+def _within(small: dict, big: dict) -> bool:
+    return all(
+        _within(v, big.get(k, {})) if isinstance(v, dict) else big.get(k) == v
+        for k, v in small.items()
+    )
 
 
 def _calibrate(searcher: Searcher, plans: Sequence[PlanEstimate], args) -> CostModel:

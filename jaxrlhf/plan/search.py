@@ -52,7 +52,7 @@ class Searcher:
         self.base, self.cluster, self.source, self.log = base, cluster, source, log
         self.cfg = from_dict(base, source=source)
         self.evaluated: list[Evaluated] = []
-        self._by_layout: dict[str, float] = {}
+        self._by_layout: dict[str, tuple[float, Evaluated | None]] = {}
 
     def config(self, overlay: dict[str, Any]):
         return from_dict(candidates.merge(self.base, overlay), source=self.source)
@@ -61,10 +61,14 @@ class Searcher:
         """Compiles ``overlay``'s layout (memory variants until one fits) and records it with
         its staleness variants; returns the best predicted seconds per iteration (inf when
         no variant runs)."""
+        return self.best_of(overlay, model)[0]
+
+    def best_of(self, overlay: dict[str, Any], model: CostModel) -> tuple[float, Evaluated | None]:
+        """:meth:`layout`'s seconds and its fastest evaluated plan (None: nothing runs)."""
         key = repr(sorted(overlay.items()))
         if key in self._by_layout:
             return self._by_layout[key]
-        best = math.inf
+        best, fastest = math.inf, None
         algo = self.cfg.algorithm
         for variant in candidates.memory_variants(self.cfg):
             plan = candidates.merge(overlay, variant)
@@ -86,12 +90,17 @@ class Searcher:
                 continue
             for stale in candidates.staleness_variants(self.cfg, plan):
                 e = Evaluated(stale, candidates.describe(stale, algo), compiled)
+                try:
+                    seconds = self.price(e, model).iteration_s
+                    if seconds < best:
+                        best, fastest = seconds, e
+                except invalid_plan_errors() as err:  # e.g. a staleness bound it refuses
+                    e = Evaluated(stale, e.label, None, _first_line(err))
                 self.evaluated.append(e)
-                best = min(best, self.price(e, model).iteration_s)
             self.log(f"  {label}: {best:.3f} s/iteration predicted ({took:.0f} s to compile)")
             break
-        self._by_layout[key] = best
-        return best
+        self._by_layout[key] = (best, fastest)
+        return best, fastest
 
     def price(self, e: Evaluated, model: CostModel) -> PlanEstimate:
         """The estimate of an evaluated plan under ``model`` (no recompilation)."""

@@ -1,0 +1,180 @@
+"""The planner's predictions against measurements on this CPU (issue #21).
+
+Six configurations of GRPO (workload R1's shapes: 8 prompts x 4 samples, 64 + 64 tokens):
+bench-S colocated on 1 and on 2 CPU devices, separated (sampler on device 0, learner on
+device 1) at staleness 0 and 1; bench-M colocated on 1 device and separated at staleness 1.
+For each: the planner's prediction at efficiency 1 (``estimate`` with a unit cost model:
+the programs compiled as the planner compiles them) and the measured steady-state seconds
+per iteration of a real ``python -m jaxrlhf.train`` run (``calibration.measure``, the
+trainer's own timeline). Then the cost model is fitted (``calibration.fit``) per cluster
+(cpu-1, cpu-2: a cost model belongs to the devices it was calibrated on) two ways:
+
+* in-sample: on all of the cluster's configurations, every prediction from that one model;
+* leave-one-out: each configuration predicted by a model fitted on the cluster's others.
+
+Reported: predicted vs measured per configuration, the error of each, and whether the
+planner's top choice among each model size's configurations is the measured fastest.
+
+    python -m benchmarks.planner                  # all six (about 15 minutes on 2 cores)
+    python -m benchmarks.planner --only S-col1 S-sep2-s1 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from jaxrlhf import platform
+
+CONFIGS = {
+    "S-col1": ("bench_s", 1, "colocated", 0),
+    "S-col2": ("bench_s", 2, "colocated", 0),
+    "S-sep2-s0": ("bench_s", 2, "separated", 0),
+    "S-sep2-s1": ("bench_s", 2, "separated", 1),
+    "M-col1": ("bench_m", 1, "colocated", 0),
+    "M-sep2-s1": ("bench_m", 2, "separated", 1),
+}
+ONE = {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def run_config(preset: str) -> dict:
+    """R1's shapes as a config mapping (the reward: rl_step's cheap function)."""
+    return {
+        "algorithm": "grpo",
+        "model": {"preset": preset},
+        "data": {
+            "train": "builtin:sort",
+            "max_length": 128,
+            "max_prompt_length": 64,
+            "builtin_size": 64,
+            "eval_size": 0,
+        },
+        "optimizer": {"lr": 1e-6, "schedule": "constant"},
+        "train": {"steps": 4},
+        "grpo": {
+            "rollout": {
+                "prompts_per_step": 8,
+                "num_samples": 4,
+                "max_new_tokens": 64,
+                "stop_at_eos": False,
+            },
+            "loss": {"kl_coef": 0.04, "kl_mode": "loss", "kl_estimator": "k3"},
+            "reward": {"function": "benchmarks.rl_step.cheap_reward"},
+        },
+    }
+
+
+def overlay(devices: int, strategy: str, staleness: int) -> dict:
+    if devices == 1:
+        return {"placement": {"cpu_devices": 1}, "mesh": ONE}
+    if strategy == "colocated":  # the best synchronous 2-device placement (RESULTS.md)
+        return {
+            "placement": {
+                "cpu_devices": 2,
+                "train_devices": 1,
+                "generate_mesh": {"data": 2, "fsdp": 1, "tensor": 1},
+            },
+            "mesh": ONE,
+        }
+    return {
+        "placement": {
+            "cpu_devices": 2,
+            "strategy": "separated",
+            "sampler": {"devices": [0], "mesh": ONE},
+            "learner": {"devices": [1], "mesh": ONE},
+        },
+        "mesh": ONE,
+        "grpo": {
+            "rollout": {"max_staleness": staleness},
+            "loss": {"rollout_correction": {"weights": "truncate", "cap": 2.0}}
+            if staleness
+            else {},
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--skip", type=int, default=3)
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+    platform.set_cpu_devices(2)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from jaxrlhf.config import from_dict
+    from jaxrlhf.plan.calibration import fit, measure
+    from jaxrlhf.plan.candidates import merge
+    from jaxrlhf.plan.estimate import CostModel, compile_plan, estimate
+    from jaxrlhf.plan.hardware import measure_cpu, parse_cluster
+
+    cpu = measure_cpu()
+    print(f"CPU: {cpu.peak_flops / 1e9:.0f} GFLOP/s, {cpu.memory_bandwidth / 1e9:.1f} GB/s")
+    unit = CostModel(efficiency=dict.fromkeys(("generate", "score", "train", "sync"), 1.0))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="planner-bench-") as root:
+        for name in args.only:
+            preset, devices, strategy, staleness = CONFIGS[name]
+            data = merge(run_config(preset), overlay(devices, strategy, staleness))
+            cfg = from_dict(data, source=name)
+            compiled = compile_plan(cfg, name)
+            cluster = parse_cluster(f"cpu-{devices}", cpu=cpu)
+            predicted = estimate(cfg, cluster, unit, compiled=compiled, label=name)
+            measured = measure(
+                data, name, os.path.join(root, name), steps=args.steps, skip=args.skip
+            )
+            rows.append((name, preset, cfg, cluster, compiled, predicted, measured))
+            print(
+                f"{name}: measured {measured.iteration_s:.3f} s/iteration "
+                f"({', '.join(f'{k} {v:.3f}' for k, v in measured.phases.items())}); "
+                f"roofline {predicted.iteration_s:.3f}",
+                flush=True,
+            )
+
+    def predict(model, row):
+        name, _, cfg, cluster, compiled, _, _ = row
+        return estimate(cfg, cluster, model, compiled=compiled, label=name).iteration_s
+
+    # A cost model belongs to a cluster: cpu-1 and cpu-2 are fitted apart (two CPU devices
+    # share the host's cores, so their efficiencies differ from one device's).
+    out = []
+    print(f"\n{'config':<10} {'measured':>9} {'in-sample':>10} {'err':>6} {'loo':>8} {'err':>6}")
+    for i, row in enumerate(rows):
+        same = [j for j, r in enumerate(rows) if r[3].count == row[3].count]
+        everything = fit([(rows[j][5], rows[j][6]) for j in same], "same cluster")
+        others = [(rows[j][5], rows[j][6]) for j in same if j != i]
+        loo = fit(others, "others") if others else None
+        m, p_in = row[6].iteration_s, predict(everything, row)
+        p_loo = predict(loo, row) if loo is not None else float("nan")
+        out.append(
+            {
+                "config": row[0],
+                "measured_s": m,
+                "in_sample_s": p_in,
+                "loo_s": p_loo,
+                "measured_phases": dict(row[6].phases),
+                "model": everything.to_json(),
+            }  # fmt: skip
+        )
+        print(
+            f"{row[0]:<10} {m:>9.3f} {p_in:>10.3f} {p_in / m - 1:>+6.0%} {p_loo:>8.3f} "
+            f"{p_loo / m - 1:>+6.0%}"
+        )
+    for devices in sorted({r[3].count for r in rows}):
+        mine = [o for r, o in zip(rows, out, strict=True) if r[3].count == devices]
+        print(f"cpu-{devices} cost model: {mine[0]['model']}")
+        best_pred = min(mine, key=lambda o: o["in_sample_s"])["config"]
+        best_meas = min(mine, key=lambda o: o["measured_s"])["config"]
+        print(f"cpu-{devices}: planner's top choice {best_pred}, measured fastest {best_meas}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

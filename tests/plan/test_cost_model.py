@@ -1,0 +1,335 @@
+"""The planner's cost model, part by part, against hand-computed values: rooflines, collective
+bytes parsed from HLO, reshard bytes between layouts, the list scheduler's makespans, memory
+rejection, cluster specs, the calibration fit and the config overlay."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrlhf.plan import candidates
+from jaxrlhf.plan.calibration import Measurement, fit, from_timeline
+from jaxrlhf.plan.estimate import CostModel, PlanEstimate
+from jaxrlhf.plan.hardware import DEVICE_SPECS, DeviceSpec, cluster_size, parse_cluster
+from jaxrlhf.plan.program_cost import ProgramCost, collective_bytes, program_cost, roofline_seconds
+from jaxrlhf.plan.reshard_cost import reshard_bytes
+from jaxrlhf.plan.simulator import Task, iteration_tasks, simulate
+
+# ---- roofline --------------------------------------------------------------------------------
+
+
+def test_roofline_is_the_slower_of_compute_and_memory_plus_collectives():
+    # 2e12 FLOPs at 1e12 FLOP/s = 2 s; 1e12 bytes at 1e12 B/s = 1 s -> compute-bound 2 s;
+    # plus 5e9 collective bytes at 1e10 B/s = 0.5 s.
+    cost = ProgramCost(flops=2e12, bytes_accessed=1e12, collective_bytes=5e9)
+    assert roofline_seconds(cost, 1e12, 1e12, 1e10) == pytest.approx(2.5)
+    # Memory-bound: 4e12 bytes / 1e12 = 4 s > 2 s of compute.
+    cost = ProgramCost(flops=2e12, bytes_accessed=4e12)
+    assert roofline_seconds(cost, 1e12, 1e12, 1e10) == pytest.approx(4.0)
+
+
+def test_h100_decode_step_by_hand():
+    # An 8B model's decode step at batch 1 reads its 16 GB of bf16 weights once: 16e9 /
+    # 3.35e12 B/s = 4.78 ms, far above its 16e9 FLOPs / 989e12 = 16 us.
+    h100 = DEVICE_SPECS["h100"]
+    cost = ProgramCost(flops=16e9, bytes_accessed=16e9)
+    seconds = roofline_seconds(cost, h100.peak_flops, h100.memory_bandwidth, h100.link_bandwidth)
+    assert seconds == pytest.approx(16e9 / 3.35e12)
+
+
+def test_cost_scale_add_and_depth_extrapolation():
+    one, two = ProgramCost(10, 100, 4, devices=2), ProgramCost(16, 130, 6, devices=2)
+    # affine in depth: 10 + 31 x 6 = 196 FLOPs at 32 layers, 100 + 31 x 30 = 1030 bytes
+    assert one.extrapolate(two, 32) == ProgramCost(196, 1030, 66, devices=2)
+    assert one.scale(3) == ProgramCost(30, 300, 12, devices=2)
+    assert one + two == ProgramCost(26, 230, 10, devices=2)
+
+
+def test_program_cost_counts_a_matmul_and_a_loop_body_once():
+    x = jnp.ones((64, 32), jnp.float32)
+    w = jnp.ones((32, 16), jnp.float32)
+    compiled = jax.jit(lambda x, w: x @ w).lower(x, w).compile()
+    cost = program_cost(compiled, 1)
+    assert cost.flops == pytest.approx(2 * 64 * 32 * 16, rel=0.01)
+    # bytes accessed: read x and w, write the result (float32)
+    assert cost.bytes_accessed == pytest.approx(4 * (64 * 32 + 32 * 16 + 64 * 16), rel=0.01)
+    assert cost.collective_bytes == 0
+
+    def ten(x, w):  # a scan of 10 matmuls: XLA's cost analysis counts its body once
+        y, _ = jax.lax.scan(lambda c, _: (c @ w[:, :32], None), x, None, length=10)
+        return y
+
+    w2 = jnp.ones((32, 32), jnp.float32)
+    looped = program_cost(jax.jit(ten).lower(x, w2).compile(), 1)
+    assert looped.flops == pytest.approx(2 * 64 * 32 * 32, rel=0.05)
+
+
+HLO = """
+  %all-reduce = f32[512]{0} all-reduce(%x), channel_id=1, replica_groups=mesh['a'=4,'b'=2] {'a'}
+  %ag = bf16[8,128]{1,0} all-gather(%y), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %rs = (f32[4]{0}, f32[2,2]{1,0}) reduce-scatter(%p, %q), replica_groups=[2,4]<=[8]
+  %cp = s32[10]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}
+  %ars = f32[256]{0} all-reduce-start(%w), replica_groups={{0,1,2,3,4,5,6,7}}
+  %ard = f32[256]{0} all-reduce-done(%ars)
+  %add = f32[512]{0} add(%all-reduce, %all-reduce)
+"""
+
+
+def test_collective_bytes_by_hand():
+    expected = (
+        2 * 3 / 4 * 512 * 4  # all-reduce of 2 KiB over the 4 devices of axis a
+        + 1 / 2 * 8 * 128 * 2  # all-gather of 2 KiB (bf16) over groups of 2
+        + 3 * (4 + 4) * 4  # reduce-scatter, groups of 4, 32 bytes of result
+        + 10 * 4  # collective-permute sends its 40 bytes
+        + 2 * 7 / 8 * 256 * 4  # async all-reduce counted at its start, not its done
+    )
+    assert collective_bytes(HLO, 8) == pytest.approx(expected)
+
+
+def test_collective_bytes_of_a_sharded_program(cpu_devices):
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    f = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
+    cost = program_cost(f.lower(x).compile(), 4)
+    # per device: a [64, 512] shard summed -> 512 floats all-reduced over 4 devices
+    assert cost.collective_bytes == pytest.approx(2 * 3 / 4 * 512 * 4)
+    assert cost.devices == 4
+
+
+# ---- reshard bytes --------------------------------------------------------------------------
+
+
+def test_reshard_bytes_by_hand(cpu_devices):
+    devices = jax.devices()[:4]
+    mesh = jax.make_mesh((4,), ("d",), devices=devices)
+    leaf = jax.ShapeDtypeStruct((8, 16), jnp.float32)  # 512 bytes
+    rows = NamedSharding(mesh, P("d", None))  # each device holds 2 rows (128 bytes)
+    cols = NamedSharding(mesh, P(None, "d"))  # each device holds 4 columns (128 bytes)
+    replicated = NamedSharding(mesh, P())
+    # rows -> columns: each device keeps the 2 x 4 block where its rows and columns meet
+    # (32 bytes) and receives 96.
+    moved = reshard_bytes(leaf, rows, cols)
+    assert set(moved) == set(devices) and all(v == 96 for v in moved.values())
+    # rows -> replicated: each device receives the 384 bytes it lacks.
+    assert set(reshard_bytes(leaf, rows, replicated).values()) == {384}
+    # replicated -> rows: nothing moves.
+    assert set(reshard_bytes(leaf, replicated, rows).values()) == {0}
+    # to other devices (a separated sampler): everything moves, 256 bytes per half.
+    other = jax.make_mesh((2,), ("d",), devices=jax.devices()[4:6])
+    moved = reshard_bytes(leaf, rows, NamedSharding(other, P("d", None)))
+    assert set(moved) == set(jax.devices()[4:6]) and set(moved.values()) == {256}
+
+
+# ---- the simulator --------------------------------------------------------------------------
+
+
+def test_simulator_makespan_on_a_hand_built_graph():
+    # a (3 s on X) -> c (2 s on X, Y); b (4 s on Y) independent; d (1 s on X) after b.
+    tasks = [
+        Task("a", ("X",), 3.0),
+        Task("c", ("X", "Y"), 2.0, ("a",)),
+        Task("b", ("Y",), 4.0),
+        Task("d", ("X",), 1.0, ("b",)),
+    ]
+    s = simulate(tasks)
+    # a 0-3 on X, b 0-4 on Y; c needs X and Y: 4-6; d needs b (4) and X: starts 4 before c
+    # (both ready at 4; the earlier-listed c wins the tie), so d 6-7.
+    assert (s.start["a"], s.start["b"], s.start["c"], s.start["d"]) == (0, 0, 4, 6)
+    assert s.makespan == 7
+    assert s.busy("X") == 3 + 2 + 1 and s.busy("Y") == 4 + 2
+
+
+def test_simulator_backfills_a_task_ready_earlier():
+    # Listed after a task that must wait, an independent task still starts at 0.
+    tasks = [Task("a", ("X",), 5.0), Task("wait", ("Y",), 1.0, ("a",)), Task("free", ("Y",), 2.0)]
+    s = simulate(tasks)
+    assert s.start["free"] == 0 and s.start["wait"] == 5 and s.makespan == 6
+
+
+def test_simulator_rejects_bad_graphs():
+    with pytest.raises(ValueError, match="appears twice"):
+        simulate([Task("a", ("X",), 1.0), Task("a", ("X",), 1.0)])
+    with pytest.raises(ValueError, match="never runs"):
+        simulate([Task("a", ("X",), 1.0, ("ghost",))])
+
+
+PHASES = {"generate": 6.0, "score": 1.0, "train": 3.0, "sync": 0.5}
+
+
+def _period(tasks, n):
+    s = simulate(tasks)
+    return (s.end[f"train{n - 1}"] - s.end["train1"]) / (n - 2)
+
+
+def test_colocated_iteration_is_the_sum_of_phases():
+    n = 6
+    assert _period(iteration_tasks(PHASES, separated=False, iterations=n), n) == 10.5
+
+
+def test_separated_iteration_by_staleness():
+    n = 10
+    # staleness 0: generate waits for the previous update's weights: 6 + 1 + 3 + 0.5.
+    sync = iteration_tasks(PHASES, separated=True, iterations=n, max_staleness=0)
+    assert _period(sync, n) == pytest.approx(10.5)
+    # staleness 1: the sampler never waits; its 6 s + the 0.5 s copy of new weights per
+    # iteration set the pace (the learner's 4 s fits inside).
+    stale = iteration_tasks(PHASES, separated=True, iterations=n, max_staleness=1)
+    assert _period(stale, n) == pytest.approx(6.5)
+    # Syncing every 2nd update halves the copies, if the bound lets the sampler run ahead:
+    # staleness 2: 6 + 0.25 per iteration.
+    every2 = iteration_tasks(
+        PHASES, separated=True, iterations=n, max_staleness=2, weight_sync_every=2
+    )
+    assert _period(every2, n) == pytest.approx(6.25)
+    # At staleness 1, rollout 2j needs update 2j - 1's weights (update 2j - 2's are never
+    # sent): after generate 2j - 1 the sampler waits for its score + update (4 s) and the
+    # copy (0.5 s), then generates twice: (4 + 0.5 + 6 + 6) / 2 = 8.25 s per iteration.
+    tight = iteration_tasks(
+        PHASES, separated=True, iterations=n, max_staleness=1, weight_sync_every=2
+    )
+    assert _period(tight, n) == pytest.approx(8.25)
+    # A learner slower than the sampler sets the pace instead: 2 + 9 = 11 s per iteration.
+    slow = {"generate": 6.0, "score": 2.0, "train": 9.0, "sync": 0.5}
+    tasks = iteration_tasks(slow, separated=True, iterations=n, max_staleness=1)
+    assert _period(tasks, n) == pytest.approx(11.0)
+
+
+# ---- clusters, memory, calibration, overlays ------------------------------------------------
+
+
+def test_cluster_specs():
+    assert cluster_size("h100x8") == ("h100", 8)
+    assert cluster_size("8xh100") == ("h100", 8)
+    assert cluster_size("tpu-v5e-64") == ("tpu-v5e", 64)
+    assert cluster_size("cpu") == ("cpu", 1)
+    with pytest.raises(ValueError, match="unknown device kind 'v100'"):
+        cluster_size("v100x8")
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        cluster_size("h100x0")
+    host = DeviceSpec("cpu", 100e9, 20e9, 20e9, 20e9, 16 * 2**30, 1 << 16)
+    c = parse_cluster("cpu-2", cpu=host)
+    assert c.count == 2 and c.spec.peak_flops == 50e9 and c.spec.memory_bytes == 8 * 2**30
+    h100 = DEVICE_SPECS["h100"]
+    assert h100.link_for(8) == h100.link_bandwidth and h100.link_for(16) == h100.network_bandwidth
+    tpu = DEVICE_SPECS["tpu-v5e"]
+    assert tpu.link_for(256) == tpu.link_bandwidth  # one slice's ICI
+
+
+def _estimate(phases, measured=None, groups=None):
+    return PlanEstimate(
+        label="p",
+        overlay={},
+        phases=phases,
+        iteration_s=sum(phases.values()),
+        idle_fraction=0.0,
+        programs=(),
+        reshard_bytes=0,
+        peak_bytes=0,
+        groups=groups or {"all": 1},
+    )
+
+
+def test_fit_recovers_efficiencies_and_host_time():
+    # Roofline 1 s generate, 2 s score, 4 s train; measured 2 s, 2.5 s, 8 s: efficiencies
+    # 0.5, 0.8, 0.5; a period 1 s longer than the phases' sum is host time.
+    predicted = _estimate({"generate": 1.0, "score": 2.0, "train": 4.0, "sync": 0.0})
+    measured = Measurement("p", {"generate": 2.0, "score": 2.5, "train": 8.0, "sync": 0.0}, 13.5)
+    model = fit([(predicted, measured)], "p")
+    assert model.efficiency["generate"] == pytest.approx(0.5)
+    assert model.efficiency["score"] == pytest.approx(0.8)
+    assert model.efficiency["train"] == pytest.approx(0.5)
+    assert model.host_seconds == {"score": pytest.approx(1.0)}
+    again = CostModel.from_json(model.to_json(), "m.json")
+    assert again == model
+
+
+def test_cost_model_file_errors():
+    from jaxrlhf.config import ConfigError
+
+    with pytest.raises(ConfigError, match="m.json: not a cost model"):
+        CostModel.from_json("[1, 2]", "m.json")
+    with pytest.raises(ConfigError, match="m.json: efficiency 'train'"):
+        CostModel.from_json('{"efficiency": {"train": 0}}', "m.json")
+
+
+def test_timeline_measurement():
+    phases = []
+    for step in range(4):  # each iteration 10 s: sample 5, score 1, update 3 (1 s gap)
+        t = 10.0 * step
+        phases += [
+            {"name": "sample", "step": step, "start": t, "end": t + 5},
+            {"name": "score", "step": step, "start": t + 5, "end": t + 6},
+            {"name": "update", "step": step, "start": t + 6, "end": t + 9},
+        ]
+    m = from_timeline({"phases": phases}, "x", skip=1)
+    assert m.iteration_s == pytest.approx(10.0)
+    assert m.phases == {"generate": 5.0, "score": 1.0, "train": 3.0, "sync": 0.0}
+    with pytest.raises(ValueError, match="fewer than 2 iterations"):
+        from_timeline({"phases": phases}, "x", skip=3)
+
+
+def test_overlay_merge_and_description():
+    base = {"mesh": {"data": 1, "fsdp": -1}, "grpo": {"rollout": {"num_samples": 4}}}
+    plan = {"mesh": {"fsdp": 2}, "grpo": {"rollout": {"max_staleness": 1}}}
+    assert candidates.merge(base, plan) == {
+        "mesh": {"data": 1, "fsdp": 2},
+        "grpo": {"rollout": {"num_samples": 4, "max_staleness": 1}},
+    }
+    assert base["mesh"]["fsdp"] == -1  # not modified
+    sep = {
+        "placement": {
+            "strategy": "separated",
+            "sampler": {"devices": [0, 1], "mesh": {"data": 2, "fsdp": 1, "tensor": 1}},
+            "learner": {"devices": [2, 3], "mesh": {"data": 1, "fsdp": 2, "tensor": 1}},
+        },
+        "grpo": {"rollout": {"max_staleness": 1}},
+        "model": {"remat": "full"},
+    }
+    assert candidates.describe(sep, "grpo") == (
+        "separated sampler 2:d2 learner 2:f2, staleness 1, remat full"
+    )
+
+
+def test_memory_rejection_names_the_program():
+    """A plan whose peak exceeds 90% of the device is rejected with the program and sizes."""
+    from jaxrlhf.plan.estimate import estimate
+    from jaxrlhf.plan.hardware import Cluster
+
+    tiny = DeviceSpec("tiny", 1e12, 1e12, 1e11, 1e10, 100 * 2**20)  # 100 MiB
+    programs = (
+        ("generate", "decode", 64.0, ProgramCost(1e9, 1e8), 50 * 2**20),
+        ("train", "update", 1.0, ProgramCost(1e10, 1e9), 95 * 2**20),
+    )
+    from jaxrlhf.plan.estimate import CompiledPlan
+
+    cfg = _grpo_config()
+    e = estimate(cfg, Cluster(tiny, 1), CostModel(), compiled=CompiledPlan(programs, 0, "x"))
+    assert not e.fits
+    assert e.rejected == (
+        "train/update needs 0.1 GiB per device, over the 0.1 GiB usable of a tiny (90%)"
+    )
+    # Times: decode 64 x max(1e9 / 1e12, 1e8 / 1e12) / 0.5 = 0.128 s; update 1e10 / 1e12 /
+    # 0.4 = 0.025 s; colocated, so the period is their sum.
+    assert e.phases["generate"] == pytest.approx(0.128)
+    assert e.phases["train"] == pytest.approx(0.025)
+    assert e.iteration_s == pytest.approx(0.153)
+    assert math.isclose(e.idle_fraction, 0.0, abs_tol=1e-9)
+
+
+def _grpo_config():
+    from jaxrlhf.config import from_dict
+
+    return from_dict({"algorithm": "grpo", "model": {"preset": "tiny"}})
+
+
+@pytest.fixture
+def cpu_devices():
+    if len(jax.devices()) < 6:
+        pytest.skip("needs 6+ CPU devices (conftest sets 8)")
+    return np.arange(len(jax.devices()))
