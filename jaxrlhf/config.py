@@ -27,9 +27,12 @@ YAML layout (every section optional except ``algorithm``)::
     lora: {rank: 8, alpha: 16, targets: [q, k, v, o]}   # default null: full fine-tuning
     sft: {...}  reward_model: {...}  dpo: {...}  ppo: {...}  grpo: {...}   # its options
 
-Overrides are ``section.field=value`` with the value parsed as YAML (``optimizer.lr=1e-5``,
-``data.eval=null``, ``mesh.fsdp=4``). Every error is a :class:`ConfigError` whose message is
-one line naming the file (or ``command line``) and the field path.
+Several files merge in order (:func:`read_configs`, ``--config RUN.yaml --config PLAN.yaml``):
+sections merge key by key, a later scalar, list or null replaces the earlier value. Overrides
+are ``section.field=value`` with the value parsed as YAML (``optimizer.lr=1e-5``,
+``data.eval=null``, ``mesh.fsdp=4``), applied after every file. Every error is a
+:class:`ConfigError` whose message is one line naming the file that set the field (or
+``command line``) and the field path.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -181,17 +184,28 @@ class RunConfig:
 
 
 class _Context:
-    """Where values came from, for error messages."""
+    """Where values came from, for error messages.
 
-    def __init__(self, source: str, override_paths: Iterable[str] = ()) -> None:
+    ``source`` is the (first) config file; ``override_paths`` the fields set after it: a
+    mapping field path -> where (an overlay file or ``command line``), or bare paths, all
+    set on the command line. A field's source is the one that set it or a section above it;
+    a section's also lists where the fields below it were set (``RUN.yaml + PLAN.yaml``).
+    """
+
+    def __init__(self, source: str, override_paths: Iterable[str] | Mapping[str, str] = ()):
         self.source = source
-        self.override_paths = frozenset(override_paths)
+        if isinstance(override_paths, Mapping):
+            self.origins = dict(override_paths)
+        else:
+            self.origins = dict.fromkeys(override_paths, COMMAND_LINE)
 
     def source_of(self, path: str) -> str:
-        for p in self.override_paths:
-            if path == p or path.startswith(p + "."):
-                return COMMAND_LINE
-        return self.source
+        own, depth = self.source, -1
+        for p, where in self.origins.items():
+            if (path == p or path.startswith(p + ".")) and len(p) > depth:
+                own, depth = where, len(p)
+        below = [w for p, w in self.origins.items() if not path or p.startswith(path + ".")]
+        return " + ".join(dict.fromkeys([own, *below]))
 
     def fail(self, path: str, message: str) -> typing.NoReturn:
         where = f"{path}: " if path else ""
@@ -397,8 +411,11 @@ def from_dict(
 
     Args:
       data: the mapping (sections as nested mappings).
-      source: the file name used in error messages.
-      override_paths: fields set on the command line (their errors name ``command line``).
+      source: the file name used in error messages (the first file of several); it names the
+        default ``output_dir`` (``runs/<its name without .yaml>``).
+      override_paths: fields set after that file: field path -> the overlay file or
+        ``command line`` that set it (:func:`read_configs`), or bare paths, all set on the
+        command line; their errors name where.
 
     Raises:
       ConfigError: unknown keys, wrong types or invalid values.
@@ -413,10 +430,20 @@ def from_dict(
     return cfg
 
 
-def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
-    """Reads ``path`` (YAML) and applies ``overrides`` (see :func:`from_dict`)."""
-    data, paths = read_config(path, overrides)
-    return from_dict(data, source=path, override_paths=paths)
+def load_config(paths: str | Sequence[str], overrides: Iterable[str] = ()) -> RunConfig:
+    """Reads ``paths`` (one YAML file, or several merged in order: :func:`read_configs`) and
+    applies ``overrides`` (see :func:`from_dict`; the source, which names the default
+    ``output_dir``, is the first file)."""
+    paths = (paths,) if isinstance(paths, str) else tuple(paths)
+    data, origins = read_configs(paths, overrides)
+    return from_dict(data, source=paths[0], override_paths=origins)
+
+
+def config_files(source: str, override_paths: Iterable[str] | Mapping[str, str] = ()) -> str:
+    """``"RUN.yaml + PLAN.yaml"``: the first file and the overlay files that set a field
+    (``override_paths`` as in :func:`from_dict`)."""
+    overlays = override_paths.values() if isinstance(override_paths, Mapping) else ()
+    return " + ".join(dict.fromkeys([source, *(w for w in overlays if w != COMMAND_LINE)]))
 
 
 def override_paths(overrides: Iterable[str]) -> list[str]:
@@ -431,6 +458,73 @@ def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any
     Raises:
       ConfigError: the file is missing or not a YAML mapping, or an override is malformed.
     """
+    return apply_overrides(_read_yaml(path), overrides)
+
+
+def read_configs(
+    paths: str | Sequence[str], overrides: Iterable[str] = ()
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The YAML mappings of ``paths`` merged in order (:func:`merge_configs`), then
+    ``overrides`` applied; not yet typed or validated.
+
+    Returns:
+      The mapping, and where each field set after the first file came from: field path ->
+      the file or ``command line`` (``override_paths`` of :func:`from_dict` and
+      :func:`validate`, which name it in their errors).
+
+    Raises:
+      ConfigError: a file is missing or not a YAML mapping (naming it), or an override is
+        malformed.
+    """
+    paths = (paths,) if isinstance(paths, str) else paths
+    if not paths:
+        raise ConfigError(f"{COMMAND_LINE}: no config file given")
+    data = _read_yaml(paths[0])
+    origins: dict[str, str] = {}
+    for path in paths[1:]:
+        _merge_into(data, _read_yaml(path), "", path, origins)
+    data, set_paths = apply_overrides(data, overrides)
+    for key in set_paths:
+        _set_origin(origins, key, COMMAND_LINE)
+    return data, origins
+
+
+def merge_configs(*mappings: Mapping[str, Any]) -> dict[str, Any]:
+    """Config mappings deep-merged in order, later ones winning (a new dict).
+
+    A mapping merges into a mapping key by key; anything else (a scalar, a list, null, or a
+    mapping where the earlier value was not one) replaces the earlier value whole. So
+    ``{mesh: {data: 1, fsdp: -1}}`` then ``{mesh: {fsdp: 4}, lora: null}`` gives
+    ``{mesh: {data: 1, fsdp: 4}, lora: null}``.
+    """
+    out: dict[str, Any] = {}
+    for m in mappings:
+        _merge_into(out, m, "", "", {})
+    return out
+
+
+def _merge_into(
+    dst: dict[str, Any], src: Mapping[str, Any], prefix: str, where: str, origins: dict
+) -> None:
+    """Merges ``src`` into ``dst`` in place, recording ``where`` for each field it sets."""
+    for key, value in src.items():
+        path = _join(prefix, str(key))
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            _merge_into(dst[key], value, path, where, origins)
+        else:
+            dst[key] = _deep_copy(value)
+            _set_origin(origins, path, where)
+
+
+def _set_origin(origins: dict[str, str], path: str, where: str) -> None:
+    """``path`` (and everything below it) was set by ``where``."""
+    for p in [p for p in origins if p == path or p.startswith(path + ".")]:
+        del origins[p]
+    origins[path] = where
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    """One config file's top-level mapping (``{}`` for an empty file)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -445,7 +539,7 @@ def read_config(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    return apply_overrides(data, overrides)
+    return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -728,7 +822,8 @@ def validate(
       mesh: a training mesh passed in code (a ``jax.sharding.Mesh``: its ``data``, ``fsdp``
         and ``tensor`` sizes are the training mesh's, in place of ``cfg.mesh`` over the
         placement's ``train_devices``); None: from the config.
-      source, override_paths: where the config came from, for the messages.
+      source, override_paths: where the config came from, for the messages (as in
+        :func:`from_dict`).
 
     Raises:
       ConfigError: the model cannot be resolved, sequence lengths exceed the model's

@@ -1,4 +1,5 @@
-"""``python -m jaxrlhf.train --config FILE [overrides]``: parse, load the config, run.
+"""``python -m jaxrlhf.train --config FILE [--config OVERLAY ...] [overrides]``: parse, load
+the config (the files merged in order), run.
 
 User errors (config, data, checkpoint, mesh, reward) print one line ``error: ...`` and exit 2.
 """
@@ -21,7 +22,14 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--config", required=True, help="YAML run config, e.g. configs/tiny_sft.yaml")
+    add(
+        "--config",
+        required=True,
+        action="append",
+        metavar="FILE",
+        help="YAML run config, e.g. configs/tiny_sft.yaml; repeat it to merge overlays in order "
+        "(sections merge key by key, later values win)",
+    )
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
     add("overrides", nargs="*", metavar="KEY=VALUE", help="same as --set")
     add(
@@ -48,12 +56,12 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> None:
     """Every stage of the config (a run or a pipeline), each validated when its turn comes."""
     from jaxrlhf import platform
-    from jaxrlhf.config import load_config, override_paths
+    from jaxrlhf.config import from_dict, read_configs
     from jaxrlhf.sharding.distributed import initialize_from_env
     from jaxrlhf.sharding.placement import check_cpu_devices
-    from jaxrlhf.train.pipeline import pipeline_stages, requested_cpu_devices
+    from jaxrlhf.train.pipeline import requested_cpu_devices, run_stages
 
-    stages = pipeline_stages(args.config) or [args.config]
+    stages = run_stages(args.config)
     cpu_devices = requested_cpu_devices(stages, [*args.set, *args.overrides])
     for note in platform.configure_cpu_host(cpu_devices):  # before the backend starts
         logging.getLogger("jaxrlhf").debug("%s", note)
@@ -61,14 +69,15 @@ def _train(args: argparse.Namespace) -> None:
     check_cpu_devices(cpu_devices)  # before sizes are checked
     from jaxrlhf.train import loop
 
-    for i, path in enumerate(stages):
+    for i, files in enumerate(stages):
         if len(stages) > 1:
-            print(f"== stage {i + 1}/{len(stages)}: {path}", flush=True)
+            print(f"== stage {i + 1}/{len(stages)}: {files[0]}", flush=True)
         overrides = [*args.set, *args.overrides]
         if args.resume:  # a pipeline's later stages may not have started yet
             overrides.append(f"checkpoint.resume={'always' if i == 0 else 'auto'}")
-        cfg = load_config(path, overrides)
-        loop.run(cfg, source=path, override_paths=tuple(override_paths(overrides)))
+        data, origins = read_configs(files, overrides)
+        cfg = from_dict(data, source=files[0], override_paths=origins)
+        loop.run(cfg, source=files[0], override_paths=origins)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ jits each phase's programs exactly as the trainers do (same functions, shardings
 donation), lowers and compiles them against abstract inputs on the configured mesh, and
 reads XLA's memory analysis of each compiled program (bytes per device: arguments, outputs,
 aliased (donated) buffers, temporaries). :func:`format_report` prints the table;
-:func:`cli` is what ``python -m jaxrlhf.train --config FILE --dry-run`` runs.
+:func:`cli` is what ``python -m jaxrlhf.train --config FILE [--config OVERLAY] --dry-run``
+runs (on the files merged, as a real run would).
 
 Phases and their programs::
 
@@ -49,7 +50,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -60,9 +61,9 @@ from jaxrlhf.config import (
     RL_ALGORITHMS,
     ConfigError,
     RunConfig,
-    apply_overrides,
+    from_dict,
     load_config,
-    override_paths,
+    read_configs,
     validate,
 )
 from jaxrlhf.sharding import MeshConfig, MeshError, make_mesh
@@ -273,7 +274,7 @@ def plan(
     *,
     mesh: Mesh | None = None,
     source: str = "<config>",
-    override_paths: Sequence[str] = (),
+    override_paths: Sequence[str] | Mapping[str, str] = (),
     device_memory: int | None = None,
     device_label: str = "",
 ) -> DryRunReport:
@@ -283,7 +284,8 @@ def plan(
       cfg: the run config.
       mesh: the mesh to compile for (default: ``cfg.mesh`` over this process's CPU devices,
         which must be enough; see :func:`cli` for getting them).
-      source, override_paths: where the config came from, for messages.
+      source, override_paths: where the config came from, for messages (as
+        ``config.from_dict`` takes them).
       device_memory: bytes per device to check the peak against (None: not checked).
       device_label: how to name that memory in the verdict.
 
@@ -404,20 +406,17 @@ def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
     return mesh_devices(mesh)
 
 
-def _configured_devices(path: str, overrides: Sequence[str]) -> int | None:
-    """Devices the config's run asks for (:func:`run_devices`), read before JAX starts; None
-    when unreadable (load_config reports any error properly later)."""
-    import yaml
-
+def _configured_devices(paths: Sequence[str], overrides: Sequence[str]) -> int | None:
+    """Devices the run of the config files ``paths`` (merged) asks for (:func:`run_devices`),
+    read before JAX starts; None when unreadable (load_config reports any error properly
+    later)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        data, _ = apply_overrides(data, overrides)
+        data, _ = read_configs(paths, overrides)
         raw = dict(data.get("placement") or {})
         if raw.get("generate_mesh") is not None:
             raw["generate_mesh"] = MeshConfig(**raw["generate_mesh"])
         return run_devices(MeshConfig(**(data.get("mesh") or {})), PlacementConfig(**raw))
-    except (OSError, yaml.YAMLError, ConfigError, TypeError, ValueError, AttributeError):
+    except (ConfigError, TypeError, ValueError, AttributeError):
         return None
 
 
@@ -433,11 +432,12 @@ def _cpu_devices(n: int | None) -> bool:
     return n is None or len(jax.devices("cpu")) >= n
 
 
-def _run_child(path: str, overrides: Sequence[str], flags: Sequence[str], n: int) -> int:
-    """The dry run of one config in a fresh process with ``n`` CPU devices."""
+def _run_child(paths: Sequence[str], overrides: Sequence[str], flags: Sequence[str], n: int) -> int:
+    """The dry run of one config (its files ``paths``) in a fresh process with ``n`` CPU
+    devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{_CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", path, "--dry-run", *flags]
-    cmd += [f"--set={o}" for o in overrides]
+    cmd = [sys.executable, "-m", "jaxrlhf.train", "--dry-run", *flags]
+    cmd += [f"--config={p}" for p in paths] + [f"--set={o}" for o in overrides]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     sys.stdout.write(out.stdout)
     sys.stderr.write(out.stderr)
@@ -445,13 +445,14 @@ def _run_child(path: str, overrides: Sequence[str], flags: Sequence[str], n: int
 
 
 def cli(
-    path: str,
+    paths: str | Sequence[str],
     overrides: Sequence[str] = (),
     *,
     memory: str | None = None,
     kind: str | None = None,
 ) -> int:
-    """``--dry-run`` of a config or pipeline file: prints each stage's table.
+    """``--dry-run`` of a config or pipeline file and any overlay files after it (merged in
+    order, :func:`jaxrlhf.train.pipeline.run_stages`): prints each stage's table.
 
     Returns:
       0 when every stage fits (or no device memory was given), 1 when one does not (its
@@ -460,12 +461,12 @@ def cli(
     Raises:
       ConfigError, MeshError, ShardingRuleError: one-line user errors (the CLI exits 2).
     """
-    from jaxrlhf.train.pipeline import pipeline_stages
+    from jaxrlhf.train.pipeline import run_stages
 
     limit, label = device_memory(memory, kind)
     flags = [f"--device-memory={memory}"] * (memory is not None)
     flags += [f"--device-kind={kind}"] * (kind is not None)
-    stages = pipeline_stages(path) or [path]
+    stages = run_stages([paths] if isinstance(paths, str) else paths)
     status = 0
     # A pipeline stage often loads the model an earlier stage exports; that export does not
     # exist before a real run, so those stages are planned from a stand-in directory holding
@@ -474,7 +475,7 @@ def cli(
     try:
         for i, stage in enumerate(stages):
             if len(stages) > 1:
-                print(f"== stage {i + 1}/{len(stages)}: {stage}", flush=True)
+                print(f"== stage {i + 1}/{len(stages)}: {stage[0]}", flush=True)
             stage_overrides = [*overrides, *exports.overrides_for(stage, overrides)]
             needed = _configured_devices(stage, stage_overrides)
             cfg = None
@@ -483,9 +484,9 @@ def cli(
                     raise MeshError(f"could not get {needed} CPU devices for the dry run")
                 status = max(status, _run_child(stage, stage_overrides, flags, needed))
             else:
-                cfg = load_config(stage, stage_overrides)
-                paths = override_paths(stage_overrides)
-                status = max(status, _plan_and_report(cfg, stage, paths, limit, label))
+                data, origins = read_configs(stage, stage_overrides)
+                cfg = from_dict(data, source=stage[0], override_paths=origins)
+                status = max(status, _plan_and_report(cfg, stage, origins, limit, label))
             if i + 1 < len(stages):
                 exports.add(cfg, stage, stage_overrides, i + 1)
     finally:
@@ -494,19 +495,26 @@ def cli(
 
 
 def _plan_and_report(
-    cfg: RunConfig, stage: str, paths: Sequence[str], limit: int | None, label: str | None
+    cfg: RunConfig,
+    stage: Sequence[str],
+    origins: Mapping[str, str],
+    limit: int | None,
+    label: str | None,
 ) -> int:
-    """Plans one stage and prints its table; 1 when it does not fit or compile, else 0."""
+    """Plans one stage (its config files) and prints its table; 1 when it does not fit or
+    compile, else 0."""
+    files = " + ".join(stage)
     try:
         report = plan(
-            cfg, source=stage, override_paths=paths, device_memory=limit, device_label=label
+            cfg, source=stage[0], override_paths=origins, device_memory=limit, device_label=label
         )
     except DryRunError as e:
-        print(f"error: {stage}: {e}", file=sys.stderr)
+        print(f"error: {files}: {e}", file=sys.stderr)
         return 1
+    report = dataclasses.replace(report, source=files)  # the table names every file merged
     print(format_report(report), flush=True)
     if report.fits is False:
-        print(f"error: {stage}: {report.reason()}", file=sys.stderr)
+        print(f"error: {files}: {report.reason()}", file=sys.stderr)
         return 1
     return 0
 
@@ -522,11 +530,12 @@ class _PendingExports:
     def add(
         self,
         cfg: RunConfig | None,
-        stage: str,
+        stage: Sequence[str],
         overrides: Sequence[str],
         number: int,
     ) -> None:
-        """Records what ``stage`` (the ``number``-th) exports; ``cfg`` None = load it here."""
+        """Records what ``stage`` (the ``number``-th, its config files) exports; ``cfg``
+        None = load it here."""
         import json
         import tempfile
 
@@ -548,19 +557,16 @@ class _PendingExports:
         os.makedirs(stand_in, exist_ok=True)
         with open(os.path.join(stand_in, "config.json"), "w") as f:
             json.dump(to_hf_config(cfg.model.resolve(), head), f)  # validated when loaded
-        self._by_path[export] = (stand_in, number, stage)
+        self._by_path[export] = (stand_in, number, stage[0])
 
-    def overrides_for(self, stage: str, overrides: Sequence[str]) -> list[str]:
-        """``key=stand-in`` overrides for the settings of ``stage`` that name a pending
-        export which does not exist yet; prints a note for each."""
-        import yaml
-
+    def overrides_for(self, stage: Sequence[str], overrides: Sequence[str]) -> list[str]:
+        """``key=stand-in`` overrides for the settings of ``stage`` (its config files) that
+        name a pending export which does not exist yet; prints a note for each."""
         if not self._by_path:
             return []
         try:
-            with open(stage, encoding="utf-8") as f:
-                data, _ = apply_overrides(yaml.safe_load(f) or {}, overrides)
-        except (OSError, yaml.YAMLError, ConfigError):
+            data, _ = read_configs(stage, overrides)
+        except ConfigError:
             return []  # load_config reports it
         out = []
         for key, value in _string_settings(data):

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrlhf.config import RL_ALGORITHMS, RunConfig, RunLayout, dump_config, to_dict, validate
+from jaxrlhf.config import (
+    RL_ALGORITHMS,
+    RunConfig,
+    RunLayout,
+    config_files,
+    dump_config,
+    to_dict,
+    validate,
+)
 from jaxrlhf.rewards import RewardError
 from jaxrlhf.train.checkpointing import RunCheckpointer, open_checkpointer
 from jaxrlhf.train.metrics import (
@@ -240,7 +249,7 @@ def run(
     *,
     mesh: Mesh | None = None,
     source: str = "<config>",
-    override_paths: tuple[str, ...] = (),
+    override_paths: Sequence[str] | Mapping[str, str] = (),
 ) -> RunResult:
     """Trains as configured; writes config.yaml, metrics.jsonl, checkpoints/, metrics.png,
     summary.json (RL) and hf/.
@@ -248,7 +257,9 @@ def run(
     Validates the config once (``config.validate``), evaluates on the held-out split (where
     there is one) before the first step, every ``train.eval_every`` steps and after the last
     one; resumes from the newest checkpoint as ``checkpoint.resume`` says; saves every
-    ``checkpoint.every`` steps, at the end and on SIGTERM/SIGINT.
+    ``checkpoint.every`` steps, at the end and on SIGTERM/SIGINT. ``source`` and
+    ``override_paths`` (as ``config.from_dict`` takes them) say where fields came from, for
+    messages and the header of the saved config.
 
     Raises:
       ConfigError, DataError, CheckpointError, MeshError, RewardError: one-line user errors.
@@ -264,13 +275,20 @@ def run(
     run_dir = run_directory(cfg)
     check_output_dir(run_dir)
     with RunLock(run_dir):
-        return _run(cfg, layout, run_dir, mesh=mesh, source=source)
+        files = config_files(source, override_paths)
+        return _run(cfg, layout, run_dir, mesh=mesh, source=source, files=files)
 
 
 def _run(
-    cfg: RunConfig, layout: RunLayout, run_dir: str, *, mesh: Mesh | None, source: str
+    cfg: RunConfig,
+    layout: RunLayout,
+    run_dir: str,
+    *,
+    mesh: Mesh | None,
+    source: str,
+    files: str,
 ) -> RunResult:
-    """:func:`run` once the run directory is held."""
+    """:func:`run` once the run directory is held (``files``: every config file it merged)."""
     main = jax.process_index() == 0
     ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
     trainer = build_trainer(cfg, mesh=mesh, source=source, layout=layout)
@@ -282,7 +300,7 @@ def _run(
         logger.info("resumed from %s/%d", ckpt.directory, resume_step)
     if main:
         os.makedirs(run_dir, exist_ok=True)
-        dump_config(cfg, os.path.join(run_dir, CONFIG_FILE), header=f"resolved from {source}")
+        dump_config(cfg, os.path.join(run_dir, CONFIG_FILE), header=f"resolved from {files}")
     log = MetricsLogger(run_dir, cfg.logging, to_dict(cfg), enabled=main, history=history)
     logger.info("%s", trainer.describe())
     if trainer.steps_done >= cfg.train.steps:
