@@ -108,8 +108,8 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     from jaxrlhf.config import from_dict
+    from jaxrlhf.config import merge_configs as merge
     from jaxrlhf.plan.calibration import fit, measure
-    from jaxrlhf.plan.candidates import merge
     from jaxrlhf.plan.estimate import CostModel, compile_plan, estimate
     from jaxrlhf.plan.hardware import measure_cpu, parse_cluster
 

@@ -11,25 +11,14 @@ plan (no recompilation: the programs are the same).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
 from jaxrlhf.config import RunConfig, rl_section
+from jaxrlhf.config import merge_configs as merge
 from jaxrlhf.models.config import ModelConfig
 
-__all__ = ["describe", "flat", "layouts", "memory_variants", "merge", "staleness_variants"]
-
-
-def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``overlay`` merged in (nested mappings key by key, overlay wins)."""
-    out = copy.deepcopy(base)
-    for key, value in overlay.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+__all__ = ["describe", "flat", "layouts", "memory_variants", "staleness_variants"]
 
 
 def _tensor_sizes(model: ModelConfig, devices: int) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from jaxrlhf import platform
-from jaxrlhf.config import RL_ALGORITHMS, ConfigError, apply_overrides, read_config
+from jaxrlhf.config import RL_ALGORITHMS, ConfigError, merge_configs, read_configs
 from jaxrlhf.plan import candidates
 from jaxrlhf.plan.calibration import fit, measure
 from jaxrlhf.plan.estimate import CostModel, PlanEstimate, gib
@@ -34,12 +34,7 @@ _ASSUMPTIONS = (
 
 def read_run(paths: Sequence[str], overrides: Sequence[str]) -> dict[str, Any]:
     """The run's config mapping: the files merged in order (later wins), then overrides."""
-    data: dict[str, Any] = {}
-    for path in paths:
-        part, _ = read_config(path)
-        data = candidates.merge(data, part)
-    data, _ = apply_overrides(data, overrides)
-    return data
+    return read_configs(list(paths), overrides)[0]
 
 
 def format_plans(
@@ -181,7 +176,7 @@ def _calibrate(searcher: Searcher, plans: Sequence[PlanEstimate], args) -> CostM
     with tempfile.TemporaryDirectory(prefix="jaxrlhf-calibrate-") as root:
         for i, plan in enumerate(plans):
             print(f"calibrating on {plan.label} ...", file=sys.stderr, flush=True)
-            run = candidates.merge(searcher.base, dict(plan.overlay))
+            run = merge_configs(searcher.base, dict(plan.overlay))
             m = measure(run, plan.label, os.path.join(root, str(i)), steps=args.calibrate_steps)
             evaluated = next(e for e in searcher.evaluated if e.label == plan.label)
             pairs.append((searcher.price(evaluated, unit), m))

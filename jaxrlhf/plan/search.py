@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxrlhf.config import from_dict
+from jaxrlhf.config import from_dict, merge_configs
 from jaxrlhf.plan import candidates
 from jaxrlhf.plan.estimate import (
     CompiledPlan,
@@ -55,7 +55,7 @@ class Searcher:
         self._by_layout: dict[str, tuple[float, Evaluated | None]] = {}
 
     def config(self, overlay: dict[str, Any]):
-        return from_dict(candidates.merge(self.base, overlay), source=self.source)
+        return from_dict(merge_configs(self.base, overlay), source=self.source)
 
     def layout(self, overlay: dict[str, Any], model: CostModel) -> float:
         """Compiles ``overlay``'s layout (memory variants until one fits) and records it with
@@ -71,7 +71,7 @@ class Searcher:
         best, fastest = math.inf, None
         algo = self.cfg.algorithm
         for variant in candidates.memory_variants(self.cfg):
-            plan = candidates.merge(overlay, variant)
+            plan = merge_configs(overlay, variant)
             label = candidates.describe(plan, algo)
             start = time.perf_counter()
             try:

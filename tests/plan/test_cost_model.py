@@ -274,14 +274,7 @@ def test_timeline_measurement():
         from_timeline({"phases": phases}, "x", skip=3)
 
 
-def test_overlay_merge_and_description():
-    base = {"mesh": {"data": 1, "fsdp": -1}, "grpo": {"rollout": {"num_samples": 4}}}
-    plan = {"mesh": {"fsdp": 2}, "grpo": {"rollout": {"max_staleness": 1}}}
-    assert candidates.merge(base, plan) == {
-        "mesh": {"data": 1, "fsdp": 2},
-        "grpo": {"rollout": {"num_samples": 4, "max_staleness": 1}},
-    }
-    assert base["mesh"]["fsdp"] == -1  # not modified
+def test_plan_description():
     sep = {
         "placement": {
             "strategy": "separated",

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import yaml
 
-from jaxrlhf.config import from_dict
+from jaxrlhf.config import from_dict, merge_configs
 from jaxrlhf.plan import __main__ as plan_cli
 from jaxrlhf.plan import candidates, estimate
 from jaxrlhf.plan.hardware import DeviceSpec, parse_cluster
@@ -45,7 +45,7 @@ def test_plan_command_ranks_plans_and_writes_a_runnable_overlay(run_yaml, tmp_pa
     assert any("separated sampler 1:d1 learner 1:d1, staleness 1" in line for line in table)
     # The overlay merges into the run as a valid config naming the best plan's placement.
     overlay = yaml.safe_load(out.read_text())
-    cfg = from_dict(candidates.merge(read_run([run_yaml], []), overlay))
+    cfg = from_dict(merge_configs(read_run([run_yaml], []), overlay))
     assert cfg.placement.cpu_devices == 2
     assert candidates.describe(overlay, "grpo") in table[0]
 
@@ -68,11 +68,11 @@ def test_staleness_overlaps_the_sampler_and_the_learner():
     """One compile prices every staleness bound; at 1 the period is the slower side's,
     at 0 the sum of the phases (hand-checked from the predicted phases)."""
     cluster = parse_cluster("cpu-2", cpu=HOST)
-    sync_cfg = from_dict(candidates.merge(RUN, _separated(0)))
+    sync_cfg = from_dict(merge_configs(RUN, _separated(0)))
     compiled = estimate.compile_plan(sync_cfg)
     model = estimate.CostModel()
     sync = estimate.estimate(sync_cfg, cluster, model, compiled=compiled)
-    stale_cfg = from_dict(candidates.merge(RUN, _separated(1)))
+    stale_cfg = from_dict(merge_configs(RUN, _separated(1)))
     stale = estimate.estimate(stale_cfg, cluster, model, compiled=compiled)
     ph = sync.phases
     assert sync.iteration_s == pytest.approx(sum(ph.values()))
