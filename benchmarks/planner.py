@@ -6,11 +6,12 @@ device 1) at staleness 0 and 1; bench-M colocated on 1 device and separated at s
 For each: the planner's prediction at efficiency 1 (``estimate`` with a unit cost model:
 the programs compiled as the planner compiles them) and the measured steady-state seconds
 per iteration of a real ``python -m jaxrlhf.train`` run (``calibration.measure``, the
-trainer's own timeline). Then the cost model is fitted (``calibration.fit``) per cluster
-(cpu-1, cpu-2: a cost model belongs to the devices it was calibrated on) two ways:
+trainer's own timeline). Then the cost model is fitted (``calibration.fit``) per model and
+cluster (``--calibrate`` times the run being planned on the devices at hand) two ways:
 
-* in-sample: on all of the cluster's configurations, every prediction from that one model;
-* leave-one-out: each configuration predicted by a model fitted on the cluster's others.
+* in-sample: on all of that model's configurations on that cluster;
+* leave-one-out: each configuration predicted by a model fitted on the others (where the
+  model has several configurations on the cluster).
 
 Reported: predicted vs measured per configuration, the error of each, and whether the
 planner's top choice among each model size's configurations is the measured fastest.
@@ -140,37 +141,42 @@ def main() -> None:
         name, _, cfg, cluster, compiled, _, _ = row
         return estimate(cfg, cluster, model, compiled=compiled, label=name).iteration_s
 
-    # A cost model belongs to a cluster: cpu-1 and cpu-2 are fitted apart (two CPU devices
-    # share the host's cores, so their efficiencies differ from one device's).
+    # A cost model belongs to the run and the cluster it was calibrated on (--calibrate
+    # times the run being planned on the devices at hand): fitted per model and device count.
+    def group(row):
+        return (row[1], row[3].count)
+
     out = []
     print(f"\n{'config':<10} {'measured':>9} {'in-sample':>10} {'err':>6} {'loo':>8} {'err':>6}")
     for i, row in enumerate(rows):
-        same = [j for j, r in enumerate(rows) if r[3].count == row[3].count]
-        everything = fit([(rows[j][5], rows[j][6]) for j in same], "same cluster")
+        same = [j for j, r in enumerate(rows) if group(r) == group(row)]
+        everything = fit([(rows[j][5], rows[j][6]) for j in same], "same model and cluster")
         others = [(rows[j][5], rows[j][6]) for j in same if j != i]
-        loo = fit(others, "others") if others else None
+        loo = fit(others, "the others") if others else None
         m, p_in = row[6].iteration_s, predict(everything, row)
         p_loo = predict(loo, row) if loo is not None else float("nan")
         out.append(
             {
                 "config": row[0],
+                "group": list(group(row)),
                 "measured_s": m,
                 "in_sample_s": p_in,
                 "loo_s": p_loo,
                 "measured_phases": dict(row[6].phases),
-                "model": everything.to_json(),
+                "model": json.loads(everything.to_json()),
             }  # fmt: skip
         )
         print(
             f"{row[0]:<10} {m:>9.3f} {p_in:>10.3f} {p_in / m - 1:>+6.0%} {p_loo:>8.3f} "
             f"{p_loo / m - 1:>+6.0%}"
         )
-    for devices in sorted({r[3].count for r in rows}):
-        mine = [o for r, o in zip(rows, out, strict=True) if r[3].count == devices]
-        print(f"cpu-{devices} cost model: {mine[0]['model']}")
-        best_pred = min(mine, key=lambda o: o["in_sample_s"])["config"]
-        best_meas = min(mine, key=lambda o: o["measured_s"])["config"]
-        print(f"cpu-{devices}: planner's top choice {best_pred}, measured fastest {best_meas}")
+    for key in sorted({group(r) for r in rows}):
+        mine = [o for r, o in zip(rows, out, strict=True) if group(r) == key]
+        print(f"{key[0]} on cpu-{key[1]}: cost model {json.dumps(mine[0]['model'])}")
+        if len(mine) > 1:
+            best_pred = min(mine, key=lambda o: o["in_sample_s"])["config"]
+            best_meas = min(mine, key=lambda o: o["measured_s"])["config"]
+            print(f"  planner's top choice {best_pred}, measured fastest {best_meas}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -5,15 +5,17 @@ device count is fixed when JAX starts) for a few iterations and reads its ``time
 (the trainer's own record of when each phase ran): per phase the mean seconds per iteration
 after the compile-heavy first ones, and the steady-state period (update end to update end).
 :func:`fit` compares them with the roofline prediction at efficiency 1: a phase's efficiency
-is predicted seconds / measured seconds (the mean over the runs, weighted by time), and the
-per-iteration time no phase accounts for (host work between programs) becomes
-``host_seconds``.
+is predicted seconds / measured seconds (summed over the runs), per phase and per phase and
+device span; the per-iteration time no phase accounts for (host work between programs)
+becomes ``host_seconds``; on CPU devices sharing a host, the contention between phases
+running at once is fitted to the measured periods.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from typing import Any
 import yaml
 
 from jaxrlhf.config import ConfigError
-from jaxrlhf.plan.estimate import PHASES, CostModel, PlanEstimate
+from jaxrlhf.plan.estimate import DEFAULT_CONTENTION, PHASES, CostModel, PlanEstimate
 
 __all__ = ["Measurement", "fit", "measure"]
 
@@ -32,11 +34,28 @@ _TIMELINE_PHASES = {"sample": "generate", "score": "score", "update": "train", "
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One plan's measured seconds per iteration: per phase and the steady period."""
+    """One plan's measured seconds per iteration: per phase, the steady period, and per
+    phase the fraction of its time another device group was busy too (``overlap``)."""
 
     label: str
     phases: Mapping[str, float]
     iteration_s: float
+    overlap: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _covered(start: float, end: float, intervals: Sequence[tuple[float, float]]) -> float:
+    """Seconds of ``[start, end]`` inside the union of ``intervals`` (sorted, disjoint)."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in intervals)
+
+
+def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def from_timeline(data: Mapping[str, Any], label: str, skip: int) -> Measurement:
@@ -50,14 +69,23 @@ def from_timeline(data: Mapping[str, Any], label: str, skip: int) -> Measurement
     if len(updates) < 2:
         raise ValueError(f"{label}: fewer than 2 iterations after the first {skip} to time")
     steps = len(updates)
+    by_group: dict[str, list[tuple[float, float]]] = {}
+    for p in phases:
+        by_group.setdefault(p.get("group", "learner"), []).append((p["start"], p["end"]))
     seconds = dict.fromkeys(PHASES, 0.0)
+    overlapped = dict.fromkeys(PHASES, 0.0)
     for p in phases:
         name = _TIMELINE_PHASES.get(p["name"])
-        if name is not None:
-            seconds[name] += p["end"] - p["start"]
+        if name is None:
+            continue
+        seconds[name] += p["end"] - p["start"]
+        group = p.get("group", "learner")
+        others = _union([iv for g, ivs in by_group.items() if g != group for iv in ivs])
+        overlapped[name] += _covered(p["start"], p["end"], others)
     per_iteration = {k: v / steps for k, v in seconds.items()}
+    overlap = {k: overlapped[k] / seconds[k] if seconds[k] > 0 else 0.0 for k in PHASES}
     period = (updates[-1] - updates[0]) / (steps - 1)
-    return Measurement(label, per_iteration, period)
+    return Measurement(label, per_iteration, period, overlap)
 
 
 def measure(
@@ -93,21 +121,67 @@ def measure(
         return from_timeline(json.load(f), label, skip)
 
 
+def _alone(m: Measurement, phase: str, contention: float) -> float:
+    """Seconds ``phase`` would have taken per iteration without the other group running
+    (two groups on one host: ``k = 2`` in ``simulator.simulate``)."""
+    d, f = m.phases[phase], m.overlap.get(phase, 0.0)
+    return d * (1 - f) + d * f / (1 + contention)
+
+
+def _efficiencies(
+    pairs: Sequence[tuple[PlanEstimate, Measurement]], contention: float
+) -> dict[str, float]:
+    """Per ``phase`` and per ``phase@devices``: predicted (at efficiency 1) over alone
+    seconds, summed over the runs (so longer runs weigh more)."""
+    predicted: dict[str, float] = {}
+    measured: dict[str, float] = {}
+    for p, m in pairs:
+        for phase in PHASES:
+            alone = _alone(m, phase, contention)
+            for key in (phase, f"{phase}@{p.phase_devices.get(phase, 1)}"):
+                predicted[key] = predicted.get(key, 0.0) + p.phases[phase]
+                measured[key] = measured.get(key, 0.0) + alone
+    return {k: predicted[k] / measured[k] for k in predicted if predicted[k] > 0 < measured[k]}
+
+
+def _period_error(pairs, efficiency, host, contention) -> float:
+    """Sum of squared log errors of the predicted periods."""
+    model = CostModel(efficiency=efficiency, host_seconds=host, contention=contention)
+    total = 0.0
+    for p, m in pairs:
+        phases = {
+            k: v / model.efficiency_of(k, p.phase_devices.get(k, 1)) if v > 0 else 0.0
+            for k, v in p.phases.items()
+        }
+        for k, v in host.items():
+            phases[k] = phases.get(k, 0.0) + v
+        total += math.log(p.schedule.period(phases, contention) / m.iteration_s) ** 2
+    return total
+
+
 def fit(pairs: Sequence[tuple[PlanEstimate, Measurement]], calibrated_on: str) -> CostModel:
     """The cost model whose predictions best match ``pairs`` of (prediction at efficiency 1
-    and no host time, measurement) of the same plans."""
-    efficiency, host = {}, {}
-    for phase in ("generate", "score", "train", "sync"):
-        predicted = sum(p.phases[phase] for p, _ in pairs)
-        measured = sum(m.phases[phase] for _, m in pairs)
-        if predicted > 0 and measured > 0:
-            efficiency[phase] = predicted / measured
-    # Host time between phases: the colocated runs' period less their phases' sum.
-    gaps = [m.iteration_s - sum(m.phases.values()) for p, m in pairs if set(p.groups) == {"all"}]
-    if gaps:
-        host["score"] = max(0.0, sum(gaps) / len(gaps))
+    and no host time, measurement) of the same plans.
+
+    Efficiencies: per phase (and per phase and device span), predicted over measured
+    seconds with the time a phase ran beside another group's phase discounted for the
+    host's contention. Host time: the colocated runs' period less their phases. Contention
+    (devices sharing a host, when some run overlapped): the value in [0, 1] (steps of 0.05)
+    whose predicted periods are closest to the measured ones.
+    """
+    gaps = [
+        m.iteration_s - sum(m.phases.values())
+        for p, m in pairs
+        if p.schedule is not None and not p.schedule.separated
+    ]
+    host = {"score": max(0.0, sum(gaps) / len(gaps))} if gaps else {}
+    shared = any(p.schedule is not None and p.schedule.shared_host for p, _ in pairs)
+    overlapped = any(v > 0 for _, m in pairs for v in m.overlap.values())
+    grid = [i / 20 for i in range(21)] if shared and overlapped else [DEFAULT_CONTENTION]
+    contention = min(grid, key=lambda c: _period_error(pairs, _efficiencies(pairs, c), host, c))
     return CostModel(
-        efficiency={**CostModel().efficiency, **efficiency},
+        efficiency={**CostModel().efficiency, **_efficiencies(pairs, contention)},
         host_seconds=host,
+        contention=contention,
         calibrated_on=calibrated_on,
     )

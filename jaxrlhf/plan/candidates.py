@@ -104,10 +104,13 @@ def flat(cfg: RunConfig, devices: int, cpu: bool) -> dict[str, Any]:
 
 def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
     """Overlays that trade time for memory, cheapest first: the config as is, then halved
-    micro-batches (down to one row per data shard), then full remat with each."""
+    micro-batches (down to one row per data shard), then full remat with each (when the
+    config has none)."""
     out: list[dict[str, Any]] = [{}]
     micro = []
-    size = rl_section(cfg).rollout.rows  # rows per data shard are fewer: invalid ones fail
+    # From the config's micro-batch (or the whole rollout: rows per data shard are fewer,
+    # and sizes that do not divide them fail validation and are skipped) down to one row.
+    size = cfg.train.micro_batch_size or rl_section(cfg).rollout.rows
     while size > 1:
         size //= 2
         micro.append({"train": {"micro_batch_size": size}})

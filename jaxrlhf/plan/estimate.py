@@ -4,11 +4,12 @@ A plan is the run config with an overlay applied (placement, meshes, remat, micr
 staleness). :func:`estimate` prices it:
 
 1. **Compile** every program of the plan as the dry run does (``dry_run.plan``: the
-   trainers' own programs on abstract shapes, fake CPU devices), at 1 and at 2 decoder
-   layers, and extrapolate each program's cost (XLA's cost analysis: FLOPs, bytes accessed,
-   collective bytes) and peak memory affinely to the model's depth. Two shallow compiles
-   price a 70B model on a laptop in seconds; layers are identical, so cost and activation
-   memory are affine in depth (tests check it against a full-depth compile).
+   trainers' own programs on abstract shapes, fake CPU devices). A model deeper than
+   :data:`FULL_DEPTH_LAYERS` compiles at 1 and at 2 decoder layers, and each program's cost
+   (XLA's cost analysis: FLOPs, bytes accessed, collective bytes) and peak memory are
+   extrapolated affinely to its depth: two shallow compiles price a 70B model on a laptop;
+   layers are identical, so cost and activation memory are affine in depth (tests check it
+   against a full-depth compile).
 2. **Time** each program as its runs per iteration (decode steps, micro-batches x
    minibatches x epochs, ...; ``ProgramMemory.runs``) times its roofline seconds on the
    cluster's device kind, divided by the phase's efficiency (the :class:`CostModel`:
@@ -16,7 +17,9 @@ staleness). :func:`estimate` prices it:
    measured between the training and sampling layouts over the links.
 3. **Schedule** several iterations on the placement's device groups
    (:mod:`jaxrlhf.plan.simulator`): the steady-state period is the predicted seconds per
-   iteration; idle is the share of device-seconds no phase uses.
+   iteration; idle is the share of device-seconds no phase uses. JAX CPU devices share one
+   host's cores: there a program spanning k devices costs k times its per-device roofline
+   and phases running at once share the host (``Cluster.shared_host``).
 4. **Reject** plans whose peak per device exceeds the usable memory, with the reason.
 
 Assumptions (stated in every report): every sample generates ``max_new_tokens`` tokens;
@@ -45,6 +48,7 @@ __all__ = [
     "CostModel",
     "PlanEstimate",
     "ProgramEstimate",
+    "ScheduleShape",
     "CompiledPlan",
     "compile_plan",
     "estimate",
@@ -59,6 +63,7 @@ PHASES = ("generate", "score", "train", "sync")
 DEFAULT_EFFICIENCY = {"generate": 0.5, "score": 0.5, "train": 0.4, "sync": 0.7}
 USABLE_MEMORY = 0.9  # of a device's memory: runtime reserve and fragmentation
 FULL_DEPTH_LAYERS = 4  # deeper models compile at 1 and 2 layers and are extrapolated
+DEFAULT_CONTENTION = 0.5  # CPU devices of one host, uncalibrated: halfway
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +71,13 @@ class CostModel:
     """Roofline efficiencies per phase and host seconds per iteration.
 
     Attributes:
-      efficiency: phase -> achieved fraction of the roofline (predicted = roofline /
-        efficiency).
+      efficiency: achieved fraction of the roofline (predicted = roofline / efficiency) per
+        ``phase@devices`` (the phase's programs spanning that many devices) or, where that
+        key is absent, per ``phase``.
       host_seconds: phase -> seconds per iteration spent on the host (the reward function,
         Python between programs), added as they are.
+      contention: devices sharing one host (CPU): how much phases running at once slow
+        each other (``simulator.simulate``; 1: as a fluid, 0: not at all).
       calibrated_on: what the factors were fitted on (empty: the defaults).
     """
 
@@ -77,7 +85,15 @@ class CostModel:
         default_factory=lambda: dict(DEFAULT_EFFICIENCY)
     )
     host_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    contention: float = DEFAULT_CONTENTION
     calibrated_on: str = ""
+
+    def efficiency_of(self, phase: str, devices: int) -> float:
+        """The efficiency of ``phase`` whose programs span ``devices`` devices."""
+        key = f"{phase}@{devices}"
+        if key in self.efficiency:
+            return self.efficiency[key]
+        return self.efficiency.get(phase, DEFAULT_EFFICIENCY[phase])
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -94,11 +110,12 @@ class CostModel:
             model = cls(
                 efficiency={k: float(v) for k, v in data["efficiency"].items()},
                 host_seconds={k: float(v) for k, v in data.get("host_seconds", {}).items()},
+                contention=float(data.get("contention", DEFAULT_CONTENTION)),
                 calibrated_on=str(data.get("calibrated_on", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{source}: not a cost model written by --calibrate ({e})") from None
-        bad = [k for k, v in model.efficiency.items() if k not in PHASES or not v > 0]
+        bad = [k for k, v in model.efficiency.items() if k.split("@")[0] not in PHASES or not v > 0]
         if bad:
             raise ConfigError(f"{source}: efficiency {bad[0]!r}: expected a phase with a value > 0")
         return model
@@ -151,10 +168,27 @@ class PlanEstimate:
     peak_bytes: int
     rejected: str = ""
     groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    schedule: ScheduleShape | None = None
+    phase_devices: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
         return not self.rejected
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleShape:
+    """How a plan's phases are scheduled: on separate groups or not, the staleness bound,
+    the sync cadence, whether its devices share one host."""
+
+    separated: bool
+    staleness: int
+    sync_every: int
+    shared_host: bool
+
+    def period(self, phases: Mapping[str, float], contention: float) -> float:
+        """Steady-state seconds per iteration of ``phases`` scheduled this way."""
+        return _steady_state(phases, self, contention)[1]
 
 
 def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
@@ -246,22 +280,33 @@ def estimate(
     spec = cluster.spec
     compiled = compile_plan(cfg) if compiled is None else compiled
     programs, sync_bytes = compiled.programs, compiled.sync_bytes
+    groups, separated = _groups(cfg, cluster.count)
+    spans = dict.fromkeys(PHASES, 1)
+    for phase, _, _, cost, _ in programs:
+        spans[phase] = max(spans[phase], cost.devices)
+    spans["sync"] = groups.get("sampler", max(groups.values()))
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
     for phase, name, runs, cost, peak in programs:
         link = spec.link_for(cost.devices)
         one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, link)
-        seconds = runs * one / model.efficiency.get(phase, DEFAULT_EFFICIENCY[phase])
+        seconds = runs * one / model.efficiency_of(phase, spans[phase])
+        if cluster.shared_host:  # its devices' shards run on the same cores
+            seconds *= cost.devices
         priced.append(ProgramEstimate(phase, name, runs, cost, peak, seconds))
         phases[phase] += seconds
-    groups, separated = _groups(cfg, cluster.count)
     link = spec.link_for(cluster.count if separated else max(groups.values()))
-    phases["sync"] = sync_bytes / link / model.efficiency.get("sync", DEFAULT_EFFICIENCY["sync"])
+    phases["sync"] = sync_bytes / link / model.efficiency_of("sync", spans["sync"])
     for phase, seconds in model.host_seconds.items():
         phases[phase] = phases.get(phase, 0.0) + seconds
     algo = rl_section(cfg)
-    staleness = algo.rollout.max_staleness if separated else 0
-    schedule, period = _steady_state(phases, separated, staleness, cfg.placement.weight_sync_every)
+    shape = ScheduleShape(
+        separated=separated,
+        staleness=algo.rollout.max_staleness if separated else 0,
+        sync_every=cfg.placement.weight_sync_every,
+        shared_host=cluster.shared_host,
+    )
+    schedule, period = _steady_state(phases, shape, model.contention)
     idle = _idle(schedule, groups, period)
     peak = max(priced, key=lambda p: p.peak_bytes)
     usable = USABLE_MEMORY * spec.memory_bytes
@@ -282,22 +327,27 @@ def estimate(
         peak_bytes=peak.peak_bytes,
         rejected=rejected,
         groups=groups,
+        schedule=shape,
+        phase_devices=spans,
     )
 
 
 def _steady_state(
-    phases: Mapping[str, float], separated: bool, staleness: int, sync_every: int
+    phases: Mapping[str, float], shape: ScheduleShape, contention: float
 ) -> tuple[tuple[Schedule, float, float], float]:
     """The schedule of enough iterations to reach the steady state, its window and period."""
+    staleness, sync_every = shape.staleness, shape.sync_every
     n = 10 + 3 * staleness + 3 * sync_every
     schedule = simulate(
         iteration_tasks(
             phases,
-            separated=separated,
+            separated=shape.separated,
             iterations=n,
             max_staleness=staleness,
             weight_sync_every=sync_every,
-        )
+        ),
+        shared_host=shape.shared_host,
+        contention=contention,
     )
     # The window: past the start-up (the sampler running ahead to its bound) and before the
     # end (where the sampler has no further rollouts to make).

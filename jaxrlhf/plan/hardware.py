@@ -78,6 +78,11 @@ class Cluster:
     count: int
 
     @property
+    def shared_host(self) -> bool:
+        """Whether the devices share one host's cores (JAX CPU devices)."""
+        return self.spec.name == "cpu"
+
+    @property
     def label(self) -> str:
         return f"{self.count} x {self.spec.name}"
 
@@ -112,8 +117,10 @@ def cluster_size(text: str) -> tuple[str, int]:
 def parse_cluster(text: str, cpu: DeviceSpec | None = None) -> Cluster:
     """The :class:`Cluster` of a spec :func:`cluster_size` reads.
 
-    ``cpu``: the spec of this whole host (:func:`measure_cpu` when None); each of the
-    ``count`` CPU devices gets an equal share of its compute, bandwidth and memory.
+    ``cpu``: the spec of this whole host (:func:`measure_cpu` when None). Each of the
+    ``count`` CPU devices has the host's compute and bandwidth while it runs alone (the
+    simulator shares them between devices that run at once: ``Cluster.shared_host``) and
+    an equal share of its memory.
 
     Raises:
       ValueError: as :func:`cluster_size`.
@@ -121,13 +128,7 @@ def parse_cluster(text: str, cpu: DeviceSpec | None = None) -> Cluster:
     kind, n = cluster_size(text)
     if kind == "cpu":
         whole = cpu if cpu is not None else measure_cpu()
-        spec = dataclasses.replace(
-            whole,
-            peak_flops=whole.peak_flops / n,
-            memory_bandwidth=whole.memory_bandwidth / n,
-            memory_bytes=whole.memory_bytes / n,
-        )
-        return Cluster(spec, n)
+        return Cluster(dataclasses.replace(whole, memory_bytes=whole.memory_bytes / n), n)
     return Cluster(DEVICE_SPECS[kind], n)
 
 

@@ -49,11 +49,19 @@ class Schedule:
         )
 
 
-def simulate(tasks: Sequence[Task]) -> Schedule:
+def simulate(
+    tasks: Sequence[Task], *, shared_host: bool = False, contention: float = 1.0
+) -> Schedule:
     """List-schedules ``tasks``: repeatedly starts, among the tasks whose dependencies are
     scheduled, the one that can start earliest (ties: the earlier in ``tasks``), at the time
     its dependencies are done and its groups free. A group runs one task at a time and a
     started task is not interrupted.
+
+    ``shared_host``: the groups are devices of one host that share its cores (JAX CPU
+    devices): ``seconds`` is a task's time alone on the host, and ``k`` tasks running at
+    once each progress at ``1 / (1 + contention x (k - 1))``: ``contention`` 1 shares the
+    host as a fluid (no gain from overlap), 0 not at all (devices as independent as
+    accelerators); calibration fits it.
 
     Raises:
       ValueError: a name repeats, or a dependency names no task (or a cycle).
@@ -61,6 +69,8 @@ def simulate(tasks: Sequence[Task]) -> Schedule:
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"task {next(n for n in names if names.count(n) > 1)!r} appears twice")
+    if shared_host:
+        return _simulate_shared(tasks, contention)
     start: dict[str, float] = {}
     end: dict[str, float] = {}
     free: dict[str, float] = {}
@@ -81,6 +91,36 @@ def simulate(tasks: Sequence[Task]) -> Schedule:
         for g in best.groups:
             free[g] = end[best.name]
         pending.remove(best)
+    return Schedule(tuple(tasks), start, end)
+
+
+def _simulate_shared(tasks: Sequence[Task], contention: float) -> Schedule:
+    """:func:`simulate` on a shared host: starts every ready task whose groups are free (in
+    ``tasks`` order), then advances to the next completion, the running tasks slowed by
+    each other meanwhile."""
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    remaining: dict[str, float] = {}
+    by_name = {t.name: t for t in tasks}
+    pending, busy, now = list(tasks), set(), 0.0
+    while pending or remaining:
+        for task in list(pending):
+            ready = all(d in end for d in task.deps)
+            if ready and not busy.intersection(task.groups):
+                start[task.name], remaining[task.name] = now, task.seconds
+                busy.update(task.groups)
+                pending.remove(task)
+        if not remaining:
+            missing = next(d for t in pending for d in t.deps if d not in end)
+            raise ValueError(f"task {pending[0].name!r}: dependency {missing!r} never runs")
+        step = min(remaining.values())
+        now += step * (1 + contention * (len(remaining) - 1))
+        for name in list(remaining):
+            remaining[name] -= step
+            if remaining[name] <= 1e-12:
+                end[name] = now
+                del remaining[name]
+                busy.difference_update(by_name[name].groups)
     return Schedule(tuple(tasks), start, end)
 
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.plan import candidates
 from jaxrlhf.plan.calibration import Measurement, fit, from_timeline
-from jaxrlhf.plan.estimate import CostModel, PlanEstimate
+from jaxrlhf.plan.estimate import CostModel, PlanEstimate, ScheduleShape
 from jaxrlhf.plan.hardware import DEVICE_SPECS, DeviceSpec, cluster_size, parse_cluster
 from jaxrlhf.plan.program_cost import ProgramCost, collective_bytes, program_cost, roofline_seconds
 from jaxrlhf.plan.reshard_cost import reshard_bytes
@@ -152,6 +152,20 @@ def test_simulator_backfills_a_task_ready_earlier():
     assert s.start["free"] == 0 and s.start["wait"] == 5 and s.makespan == 6
 
 
+def test_shared_host_simulator_shares_the_cores():
+    # X (2 s alone) and Y (4 s alone) at once on one host: each at half speed until X ends
+    # at 4 s (2 s of work), then Y's last 2 s alone: 6 s, the sum of the work.
+    s = simulate([Task("x", ("X",), 2.0), Task("y", ("Y",), 4.0)], shared_host=True)
+    assert (s.end["x"], s.end["y"], s.makespan) == (4.0, 6.0, 6.0)
+    # A dependency chain runs alone: 2 + 4 s.
+    chain = [Task("x", ("X",), 2.0), Task("y", ("Y",), 4.0, ("x",))]
+    assert simulate(chain, shared_host=True).makespan == 6.0
+    # Groups still run one task at a time: z waits for x on X, then shares with y.
+    tasks = [Task("x", ("X",), 2.0), Task("z", ("X",), 1.0), Task("y", ("Y",), 4.0)]
+    s = simulate(tasks, shared_host=True)
+    assert s.start["z"] == 4.0 and s.end["z"] == 6.0 and s.end["y"] == 7.0
+
+
 def test_simulator_rejects_bad_graphs():
     with pytest.raises(ValueError, match="appears twice"):
         simulate([Task("a", ("X",), 1.0), Task("a", ("X",), 1.0)])
@@ -213,15 +227,17 @@ def test_cluster_specs():
     with pytest.raises(ValueError, match="count must be >= 1"):
         cluster_size("h100x0")
     host = DeviceSpec("cpu", 100e9, 20e9, 20e9, 20e9, 16 * 2**30, 1 << 16)
-    c = parse_cluster("cpu-2", cpu=host)
-    assert c.count == 2 and c.spec.peak_flops == 50e9 and c.spec.memory_bytes == 8 * 2**30
+    c = parse_cluster("cpu-2", cpu=host)  # each device: the host's cores, half its memory
+    assert c.count == 2 and c.spec.peak_flops == 100e9 and c.spec.memory_bytes == 8 * 2**30
+    assert c.shared_host and not parse_cluster("h100x8").shared_host
     h100 = DEVICE_SPECS["h100"]
     assert h100.link_for(8) == h100.link_bandwidth and h100.link_for(16) == h100.network_bandwidth
     tpu = DEVICE_SPECS["tpu-v5e"]
     assert tpu.link_for(256) == tpu.link_bandwidth  # one slice's ICI
 
 
-def _estimate(phases, measured=None, groups=None):
+def _estimate(phases, shape=None):
+    shape = shape or ScheduleShape(separated=False, staleness=0, sync_every=1, shared_host=False)
     return PlanEstimate(
         label="p",
         overlay={},
@@ -231,7 +247,9 @@ def _estimate(phases, measured=None, groups=None):
         programs=(),
         reshard_bytes=0,
         peak_bytes=0,
-        groups=groups or {"all": 1},
+        groups={"all": 1},
+        schedule=shape,
+        phase_devices=dict.fromkeys(phases, 1),
     )
 
 
@@ -247,6 +265,44 @@ def test_fit_recovers_efficiencies_and_host_time():
     assert model.host_seconds == {"score": pytest.approx(1.0)}
     again = CostModel.from_json(model.to_json(), "m.json")
     assert again == model
+
+
+def test_fit_recovers_the_contention_of_a_shared_host():
+    """Synthetic runs on a 2-device CPU host: separated at staleness 1 with phases of 1 s
+    (generate), 0.5 s (score) and 1.5 s (train) alone and a true contention of 0.4, plus the
+    same plan at staleness 0. The fit sees only wall times and overlaps, as a timeline gives
+    them, and recovers efficiency 1 and contention 0.4."""
+    unit = {"generate": 1.0, "score": 0.5, "train": 1.5, "sync": 0.0}
+    pairs = []
+    for staleness in (0, 1):
+        shape = ScheduleShape(separated=True, staleness=staleness, sync_every=1, shared_host=True)
+        tasks = iteration_tasks(unit, separated=True, iterations=12, max_staleness=staleness)
+        sched = simulate(tasks, shared_host=True, contention=0.4)
+        steps = range(3, 8)
+        walls, overlaps = dict.fromkeys(unit, 0.0), dict.fromkeys(unit, 0.0)
+        for t in tasks:
+            phase = t.name.rstrip("0123456789")
+            i = int(t.name[len(phase) :])
+            if i not in steps:
+                continue
+            a, b = sched.start[t.name], sched.end[t.name]
+            walls[phase] += b - a
+            others = [u for u in tasks if not set(u.groups) & set(t.groups)]
+            overlaps[phase] += sum(
+                max(0.0, min(b, sched.end[u.name]) - max(a, sched.start[u.name])) for u in others
+            )
+        k = len(steps)
+        measured = Measurement(
+            f"s{staleness}",
+            {p: w / k for p, w in walls.items()},
+            (sched.end["train7"] - sched.end["train3"]) / 4,
+            {p: overlaps[p] / walls[p] if walls[p] else 0.0 for p in unit},
+        )
+        pairs.append((_estimate(unit, shape), measured))
+    model = fit(pairs, "synthetic")
+    assert model.contention == pytest.approx(0.4)
+    for phase in ("generate", "score", "train"):
+        assert model.efficiency[phase] == pytest.approx(1.0, rel=1e-6)
 
 
 def test_cost_model_file_errors():

@@ -11,7 +11,7 @@ import yaml
 from jaxrlhf.config import from_dict, merge_configs
 from jaxrlhf.plan import __main__ as plan_cli
 from jaxrlhf.plan import candidates, estimate
-from jaxrlhf.plan.hardware import DeviceSpec, parse_cluster
+from jaxrlhf.plan.hardware import Cluster, DeviceSpec
 from jaxrlhf.plan.planner import read_run
 
 RUN = {
@@ -67,7 +67,7 @@ def _separated(staleness: int) -> dict:
 def test_staleness_overlaps_the_sampler_and_the_learner():
     """One compile prices every staleness bound; at 1 the period is the slower side's,
     at 0 the sum of the phases (hand-checked from the predicted phases)."""
-    cluster = parse_cluster("cpu-2", cpu=HOST)
+    cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 2)  # not a shared host
     sync_cfg = from_dict(merge_configs(RUN, _separated(0)))
     compiled = estimate.compile_plan(sync_cfg)
     model = estimate.CostModel()
