@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # XLA warns about every inefficient resharding of every layout it compiles (dozens);
+    # the cost model counts their collectives, so the planner keeps its output readable.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from jaxrlhf.config import ConfigError
     from jaxrlhf.plan import planner

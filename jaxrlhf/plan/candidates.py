@@ -11,6 +11,7 @@ plan (no recompilation: the programs are the same).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,14 @@ from jaxrlhf.config import RunConfig, rl_section
 from jaxrlhf.config import merge_configs as merge
 from jaxrlhf.models.config import ModelConfig
 
-__all__ = ["describe", "flat", "layouts", "memory_variants", "staleness_variants"]
+__all__ = [
+    "configured",
+    "describe",
+    "flat",
+    "layouts",
+    "memory_variants",
+    "staleness_variants",
+]
 
 
 def _tensor_sizes(model: ModelConfig, devices: int) -> list[int]:
@@ -100,6 +108,29 @@ def flat(cfg: RunConfig, devices: int, cpu: bool) -> dict[str, Any]:
         and o["mesh"] == {"data": 1, "fsdp": devices, "tensor": 1}
         or devices == 1
     )
+
+
+def _shape(mesh: Any, devices: int) -> dict[str, int]:
+    sizes = list(mesh.sizes())
+    if -1 in sizes:  # the fill axis takes the devices the others leave
+        known = math.prod(s for s in sizes if s != -1)
+        sizes = [devices // known if s == -1 else s for s in sizes]
+    return dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
+
+
+def configured(cfg: RunConfig, layouts: list[dict[str, Any]], devices: int) -> int | None:
+    """The index of the layout the config itself describes on ``devices`` (colocated: its
+    mesh and its sampler's), None when it is not among them."""
+    if cfg.placement.strategy != "colocated" or cfg.placement.train_devices != -1:
+        return None
+    mesh = _shape(cfg.mesh, devices)
+    gen = cfg.placement.generate_mesh
+    gen = None if gen is None else _shape(gen, devices)
+    for i, o in enumerate(layouts):
+        if o["placement"]["strategy"] == "colocated" and o["mesh"] == mesh:
+            if o["placement"]["generate_mesh"] == gen:
+                return i
+    return None
 
 
 def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:

@@ -110,6 +110,7 @@ def cli(args: argparse.Namespace) -> int:
         model,
         time_limit_s=args.time_limit,
         exhaustive_limit=args.exhaustive_limit,
+        first=candidates.configured(searcher.cfg, layouts, count),  # annealing starts there
     )
     references = {  # what the best plan is compared with
         "flat": candidates.flat(searcher.cfg, count, is_cpu),

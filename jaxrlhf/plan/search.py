@@ -143,18 +143,20 @@ def search(
     *,
     time_limit_s: float,
     exhaustive_limit: int = 24,
+    first: int | None = None,
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> str:
-    """Visits ``layouts`` (all, or an annealing walk within ``time_limit_s``); returns how
-    (``"exhaustive, N layouts"`` / ``"annealing, N of M layouts in S s"``)."""
+    """Visits ``layouts`` (all, or an annealing walk within ``time_limit_s`` from layout
+    ``first``, default a random one); returns how (``"exhaustive, N layouts"`` /
+    ``"annealing, N of M layouts in S s"``)."""
     if len(layouts) <= exhaustive_limit:
         for overlay in layouts:
             searcher.layout(overlay, model)
         return f"exhaustive, {len(layouts)} layouts"
     rng = random.Random(seed)
     start = clock()
-    current = rng.randrange(len(layouts))
+    current = rng.randrange(len(layouts)) if first is None else first
     cost = searcher.layout(layouts[current], model)
     feats = [_features(o) for o in layouts]
     visited = {current}
