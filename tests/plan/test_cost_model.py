@@ -382,3 +382,34 @@ def cpu_devices():
     if len(jax.devices()) < 6:
         pytest.skip("needs 6+ CPU devices (conftest sets 8)")
     return np.arange(len(jax.devices()))
+
+
+def test_layouts_and_memory_variants_of_the_8b_recipe():
+    """80 layouts of 8 devices for Llama-3-8B (32 heads, 8 KV heads): the recipe's own
+    (fsdp 4 x tensor 2, the sampler on the training mesh) among them. Its micro-batch is
+    already one row and it already uses full remat: no memory variant is left to try."""
+    from jaxrlhf.config import load_config
+
+    cfg = load_config("configs/recipes/llama3_8b_ppo_8xh100.yaml")
+    layouts = list(candidates.layouts(cfg, 8, cpu=False))
+    assert len(layouts) == 80
+    own = layouts[candidates.configured(cfg, layouts, 8)]
+    assert own["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert own["placement"]["generate_mesh"] is None
+    separated = [o for o in layouts if o["placement"]["strategy"] == "separated"]
+    assert {len(o["placement"]["sampler"]["devices"]) for o in separated} == {2, 4, 6}
+    for o in separated:  # disjoint groups covering every device
+        p = o["placement"]
+        assert sorted(p["sampler"]["devices"] + p["learner"]["devices"]) == list(range(8))
+    assert candidates.memory_variants(cfg) == [{}]  # micro 1 and remat full already
+    flat = candidates.flat(cfg, 8, cpu=False)
+    assert flat["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+
+
+def test_memory_variants_halve_the_micro_batch_then_remat():
+    cfg = _grpo_config()  # 16 prompts x 4 samples = 64 rows, no micro-batching, no remat
+    variants = candidates.memory_variants(cfg)
+    micro = [v["train"]["micro_batch_size"] for v in variants if "model" not in v and v]
+    assert micro == [32, 16, 8, 4, 2, 1]
+    assert variants[len(micro) + 1] == {"model": {"remat": "full"}}
+    assert len(variants) == 2 * (len(micro) + 1)
