@@ -65,6 +65,10 @@ _FALLBACK: Mapping[tuple[type, str], str] = {
     (model_config.ModelConfig, "attention_impl"): (
         "attention kernel: one of {attention_impls} (cudnn: GPU, bf16/fp16)."
     ),
+    (model_config.ModelConfig, "layer_loop"): (
+        "how the layer stack runs: one of {layer_loops} (auto: unrolled up to 16 layers, "
+        "a scan above: compile time stays flat with depth)."
+    ),
     (model_config.ModelConfig, "initializer_range"): "std of the random initialisation.",
     (model_config.ModelConfig, "bos_token_id"): "beginning-of-sequence token id.",
     (model_config.ModelConfig, "eos_token_id"): "end-of-sequence token id.",
@@ -86,6 +90,7 @@ _FORMAT_ARGS = {
     "dtypes": _choices(model_config.DTYPES),
     "remat": _choices(model_config.REMAT_POLICIES),
     "attention_impls": _choices(model_config.ATTENTION_IMPLS),
+    "layer_loops": _choices(model_config.LAYER_LOOPS),
 }
 
 # The ModelConfig fields of the model section are overrides on top of the preset or the

@@ -31,6 +31,7 @@ POSITION_TYPES = ("rope", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -101,6 +102,7 @@ class ModelConfig(NamedPresets):
     param_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    layer_loop: str = "auto"  # the layer stack: unrolled up to 16 layers (auto), scan, unroll
     initializer_range: float = 0.02
 
     bos_token_id: int | None = None
@@ -116,6 +118,7 @@ class ModelConfig(NamedPresets):
         _check_choice("param_dtype", self.param_dtype, DTYPES)
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -117,6 +117,16 @@ ACTIVATIONS = {
 # loop (benchmarks/RESULTS.md has both figures).
 UNROLL_MAX_LAYERS = 16
 
+
+def unrolled(cfg: ModelConfig) -> bool:
+    """Whether the layer stack runs unrolled: ``layer_loop`` says so, or ``auto`` and at
+    most :data:`UNROLL_MAX_LAYERS` layers (by the model's depth, not a stack's: a deep
+    model's Hydra branches loop too)."""
+    if cfg.layer_loop != "auto":
+        return cfg.layer_loop == "unroll"
+    return cfg.num_layers <= UNROLL_MAX_LAYERS
+
+
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -445,8 +455,7 @@ def layer_stack(
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
         length=count,
-        # By the model's depth, not the stack's: a deep model's Hydra branches loop too.
-        unroll=count if cfg.num_layers <= UNROLL_MAX_LAYERS else 1,
+        unroll=count if unrolled(cfg) else 1,
         metadata_params={nn.PARTITION_NAME: axes.LAYERS},
     )(cfg, constrain, lora)
 

@@ -5,11 +5,12 @@ staleness). :func:`estimate` prices it:
 
 1. **Compile** every program of the plan as the dry run does (``dry_run.plan``: the
    trainers' own programs on abstract shapes, fake CPU devices). A model deeper than
-   :data:`FULL_DEPTH_LAYERS` compiles at 1 and at 2 decoder layers, and each program's cost
-   (XLA's cost analysis: FLOPs, bytes accessed, collective bytes) and peak memory are
-   extrapolated affinely to its depth: two shallow compiles price a 70B model on a laptop;
-   layers are identical, so cost and activation memory are affine in depth (tests check it
-   against a full-depth compile).
+   :data:`FULL_DEPTH_LAYERS` (whose layers run as a scan) compiles shallow instead: its
+   programs' costs (XLA's cost analysis: FLOPs, bytes accessed, collective bytes) from
+   unrolled stacks of 1 and 2 layers, its peak memory from scanned stacks of 2 and 4, each
+   extrapolated affinely to its depth: four shallow compiles price a 70B model on a laptop;
+   layers are identical, so costs and stacked activations are affine in depth (tests check
+   it against a full-depth compile).
 2. **Time** each program as its runs per iteration (decode steps, micro-batches x
    minibatches x epochs, ...; ``ProgramMemory.runs``) times its roofline seconds on the
    cluster's device kind, divided by the phase's efficiency (the :class:`CostModel`:
@@ -62,7 +63,7 @@ PHASES = ("generate", "score", "train", "sync")
 # bandwidth); --calibrate replaces them with measured ones.
 DEFAULT_EFFICIENCY = {"generate": 0.5, "score": 0.5, "train": 0.4, "sync": 0.7}
 USABLE_MEMORY = 0.9  # of a device's memory: runtime reserve and fragmentation
-FULL_DEPTH_LAYERS = 4  # deeper models compile at 1 and 2 layers and are extrapolated
+FULL_DEPTH_LAYERS = 16  # deeper models (scanned layers) are compiled shallow, extrapolated
 DEFAULT_CONTENTION = 0.5  # CPU devices of one host, uncalibrated: halfway
 
 
@@ -191,40 +192,54 @@ class ScheduleShape:
         return _steady_state(phases, self, contention)[1]
 
 
-def with_layers(cfg: RunConfig, layers: int) -> RunConfig:
-    """``cfg`` with its model cut to ``layers`` decoder layers (a Hydra critic's branch
-    point moved to the last of them)."""
+def with_layers(cfg: RunConfig, layers: int, loop: str = "auto") -> RunConfig:
+    """``cfg`` with its model cut to ``layers`` decoder layers run as ``loop`` (a Hydra
+    critic's branch point moved to the first of them)."""
     spec = cfg.model
-    model = dataclasses.replace(spec, overrides={**spec.overrides, "num_layers": layers})
-    cfg = cfg.replace(model=model)
+    overrides = {**spec.overrides, "num_layers": layers, "layer_loop": loop}
+    cfg = cfg.replace(model=dataclasses.replace(spec, overrides=overrides))
     if cfg.algorithm == "ppo" and cfg.ppo.value.branch_layer is not None:
         value = dataclasses.replace(cfg.ppo.value, branch_layer=min(cfg.ppo.value.branch_layer, 1))
         cfg = cfg.replace(ppo=dataclasses.replace(cfg.ppo, value=value))
     return cfg
 
 
+def _sync_bytes(report: Any) -> int:
+    """Bytes a sampler device receives per weight sync (LoRA: the adapters)."""
+    return report.sync_bytes[0] if report.sync_bytes is not None else report.reshard_bytes
+
+
+def _affine(a: float, b: float, at: int, step: int, depth: int) -> float:
+    """The value at ``depth`` of the line through ``a`` (at ``at`` layers) and ``b`` (at
+    ``at + step``)."""
+    return a + (depth - at) * (b - a) / step
+
+
 def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
-    """The dry run's programs at 1 and 2 layers, extrapolated: ``[(phase, name, runs, cost,
-    peak)]``, the weight-sync bytes and the 1-layer report."""
+    """The dry run's programs at the model's depth: ``[(phase, name, runs, cost, peak)]``,
+    the weight-sync bytes and a report (for its source).
+
+    A model of at most :data:`FULL_DEPTH_LAYERS` layers compiles as it is. A deeper one runs
+    its layers as a scan, whose body XLA's cost analysis counts once: its costs come from
+    unrolled compiles at 1 and 2 layers, its memory and sync bytes from scanned compiles at
+    2 and 4 layers (the deep model's buffers: stacked per-layer activations), each
+    extrapolated affinely to the depth.
+    """
     from jaxrlhf.train import dry_run
 
     depth = cfg.model.resolve().num_layers
     if depth <= FULL_DEPTH_LAYERS:  # shallow enough to compile as it is
         report = dry_run.plan(cfg, source=source)
         programs = [(p.phase, p.name, p.runs, p.cost, p.peak_bytes) for p in report.programs]
-        sync = report.sync_bytes[0] if report.sync_bytes is not None else report.reshard_bytes
-        return programs, sync, report
-    reports = [dry_run.plan(with_layers(cfg, k), source=source) for k in (1, 2)]
-    first, second = reports[0], reports[-1]
+        return programs, _sync_bytes(report), report
+    one, two = (dry_run.plan(with_layers(cfg, k, "unroll"), source=source) for k in (1, 2))
+    low, high = (dry_run.plan(with_layers(cfg, k, "scan"), source=source) for k in (2, 4))
     programs = []
-    for a, b in zip(first.programs, second.programs, strict=True):
-        cost = a.cost.extrapolate(b.cost, depth)
-        peak = a.peak_bytes + (depth - 1) * (b.peak_bytes - a.peak_bytes)
-        programs.append((a.phase, a.name, a.runs, cost, int(peak)))
-    sync = first.reshard_bytes + (depth - 1) * (second.reshard_bytes - first.reshard_bytes)
-    if first.sync_bytes is not None:  # LoRA: the adapters move (extrapolated likewise)
-        sync = first.sync_bytes[0] + (depth - 1) * (second.sync_bytes[0] - first.sync_bytes[0])
-    return programs, int(sync), first
+    for a, b, m2, m4 in zip(one.programs, two.programs, low.programs, high.programs, strict=True):
+        peak = _affine(m2.peak_bytes, m4.peak_bytes, 2, 2, depth)
+        programs.append((a.phase, a.name, a.runs, a.cost.extrapolate(b.cost, depth), int(peak)))
+    sync = _affine(_sync_bytes(low), _sync_bytes(high), 2, 2, depth)
+    return programs, int(sync), one
 
 
 def _groups(cfg: RunConfig, devices: int) -> tuple[dict[str, int], bool]:
