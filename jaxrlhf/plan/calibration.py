@@ -159,7 +159,9 @@ def _period_error(pairs, efficiency, host, contention) -> float:
     return total
 
 
-def fit(pairs: Sequence[tuple[PlanEstimate, Measurement]], calibrated_on: str) -> CostModel:
+def fit(
+    pairs: Sequence[tuple[PlanEstimate, Measurement]], calibrated_on: str, cluster: str = ""
+) -> CostModel:
     """The cost model whose predictions best match ``pairs`` of (prediction at efficiency 1
     and no host time, measurement) of the same plans.
 
@@ -184,4 +186,5 @@ def fit(pairs: Sequence[tuple[PlanEstimate, Measurement]], calibrated_on: str) -
         host_seconds=host,
         contention=contention,
         calibrated_on=calibrated_on,
+        cluster=cluster,
     )

@@ -139,9 +139,11 @@ def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
     config has none)."""
     out: list[dict[str, Any]] = [{}]
     micro = []
-    # From the config's micro-batch (or the whole rollout: rows per data shard are fewer,
-    # and sizes that do not divide them fail validation and are skipped) down to one row.
-    size = cfg.train.micro_batch_size or rl_section(cfg).rollout.rows
+    # Halving from the config's micro-batch (rows per data shard; none: a minibatch, which
+    # a layout's data shards divide further, so sizes at or above its share are not new:
+    # validation refuses those that do not divide it, and they are skipped) to one row.
+    algo = rl_section(cfg)
+    size = cfg.train.micro_batch_size or algo.rollout.rows // algo.loss.num_minibatches
     while size > 1:
         size //= 2
         micro.append({"train": {"micro_batch_size": size}})
@@ -159,7 +161,8 @@ def staleness_variants(cfg: RunConfig, overlay: dict[str, Any]) -> list[dict[str
     section, algo = cfg.algorithm, rl_section(cfg)
     if algo.reward.model_dir is not None:  # asynchronous RL scores with reward functions
         return [merge(overlay, {section: {"rollout": {"max_staleness": 0}}})]
-    bounds = sorted({0, 1, 2, algo.rollout.max_staleness})
+    every = overlay["placement"].get("weight_sync_every", 1)  # lag the cadence already adds
+    bounds = sorted(b for b in {0, 1, 2, algo.rollout.max_staleness} if b >= every - 1)
     return [merge(overlay, {section: {"rollout": {"max_staleness": s}}}) for s in bounds]
 
 

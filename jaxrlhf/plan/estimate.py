@@ -38,9 +38,9 @@ from typing import Any
 
 from jaxrlhf.config import ConfigError, RunConfig
 from jaxrlhf.plan.hardware import Cluster
-from jaxrlhf.plan.program_cost import ProgramCost, roofline_seconds
 from jaxrlhf.plan.simulator import Schedule, iteration_tasks, simulate
 from jaxrlhf.sharding import MeshError, ShardingRuleError
+from jaxrlhf.train.program_cost import ProgramCost, roofline_seconds
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -80,6 +80,7 @@ class CostModel:
       contention: devices sharing one host (CPU): how much phases running at once slow
         each other (``simulator.simulate``; 1: as a fluid, 0: not at all).
       calibrated_on: what the factors were fitted on (empty: the defaults).
+      cluster: the cluster they were fitted on (``Cluster.label``; empty: any).
     """
 
     efficiency: Mapping[str, float] = dataclasses.field(
@@ -88,6 +89,7 @@ class CostModel:
     host_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     contention: float = DEFAULT_CONTENTION
     calibrated_on: str = ""
+    cluster: str = ""
 
     def efficiency_of(self, phase: str, devices: int) -> float:
         """The efficiency of ``phase`` whose programs span ``devices`` devices."""
@@ -113,6 +115,7 @@ class CostModel:
                 host_seconds={k: float(v) for k, v in data.get("host_seconds", {}).items()},
                 contention=float(data.get("contention", DEFAULT_CONTENTION)),
                 calibrated_on=str(data.get("calibrated_on", "")),
+                cluster=str(data.get("cluster", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{source}: not a cost model written by --calibrate ({e})") from None
@@ -193,20 +196,22 @@ class ScheduleShape:
 
 
 def with_layers(cfg: RunConfig, layers: int, loop: str = "auto") -> RunConfig:
-    """``cfg`` with its model cut to ``layers`` decoder layers run as ``loop`` (a Hydra
-    critic's branch point moved to the first of them)."""
+    """``cfg`` with its model cut to ``layers`` decoder layers run as ``loop``. A Hydra
+    critic branches at the last layer (a one-layer branch: the added layers are priced as
+    frozen trunk, an underestimate of the update when the real branch is deeper)."""
     spec = cfg.model
     overrides = {**spec.overrides, "num_layers": layers, "layer_loop": loop}
     cfg = cfg.replace(model=dataclasses.replace(spec, overrides=overrides))
     if cfg.algorithm == "ppo" and cfg.ppo.value.branch_layer is not None:
-        value = dataclasses.replace(cfg.ppo.value, branch_layer=min(cfg.ppo.value.branch_layer, 1))
+        value = dataclasses.replace(cfg.ppo.value, branch_layer=layers - 1)
         cfg = cfg.replace(ppo=dataclasses.replace(cfg.ppo, value=value))
     return cfg
 
 
 def _sync_bytes(report: Any) -> int:
-    """Bytes a sampler device receives per weight sync (LoRA: the adapters)."""
-    return report.sync_bytes[0] if report.sync_bytes is not None else report.reshard_bytes
+    """Bytes a sampler device receives per weight sync (LoRA: the adapters or the merged
+    model, as ``lora.sync`` says; Hydra: the merged policy)."""
+    return report.reshard_bytes
 
 
 def _affine(a: float, b: float, at: int, step: int, depth: int) -> float:
@@ -303,8 +308,7 @@ def estimate(
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
     for phase, name, runs, cost, peak in programs:
-        link = spec.link_for(cost.devices)
-        one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, link)
+        one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
         seconds = runs * one / model.efficiency_of(phase, spans[phase])
         if cluster.shared_host:  # its devices' shards run on the same cores
             seconds *= cost.devices

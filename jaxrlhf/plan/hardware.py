@@ -56,17 +56,18 @@ class DeviceSpec:
 
 
 _SLICE = 1 << 16  # a TPU slice's ICI connects every chip of it
-# Peaks as published: NVIDIA A100/H100/H200 SXM datasheets (dense bf16, NVLink 600/900 GB/s
-# both directions -> half per direction, 400 Gb/s InfiniBand per GPU); Google Cloud TPU
-# system architecture pages (bf16 peak, HBM, ICI per chip; DCN between slices unused here).
+# Peaks as published, links per direction: NVIDIA A100/H100/H200 SXM datasheets (dense bf16;
+# NVLink 600/900 GB/s both directions -> half; 400 Gb/s InfiniBand per GPU); Google Cloud TPU
+# system architecture pages (bf16 peak, HBM, ICI per chip: 2400/1600/4800/3584 Gbps for
+# v4/v5e/v5p/v6e, both directions -> half; DCN between slices is not modelled).
 DEVICE_SPECS: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", 312e12, 2039 * GB, 300 * GB, 25 * GB, 80 * 2**30),
     "h100": DeviceSpec("h100", 989e12, 3350 * GB, 450 * GB, 50 * GB, 80 * 2**30),
     "h200": DeviceSpec("h200", 989e12, 4800 * GB, 450 * GB, 50 * GB, 141 * 2**30),
-    "tpu-v4": DeviceSpec("tpu-v4", 275e12, 1200 * GB, 300 * GB, 300 * GB, 32 * 2**30, _SLICE),
-    "tpu-v5e": DeviceSpec("tpu-v5e", 197e12, 819 * GB, 200 * GB, 200 * GB, 16 * 2**30, _SLICE),
-    "tpu-v5p": DeviceSpec("tpu-v5p", 459e12, 2765 * GB, 600 * GB, 600 * GB, 95 * 2**30, _SLICE),
-    "tpu-v6e": DeviceSpec("tpu-v6e", 918e12, 1640 * GB, 448 * GB, 448 * GB, 32 * 2**30, _SLICE),
+    "tpu-v4": DeviceSpec("tpu-v4", 275e12, 1200 * GB, 150 * GB, 150 * GB, 32 * 2**30, _SLICE),
+    "tpu-v5e": DeviceSpec("tpu-v5e", 197e12, 819 * GB, 100 * GB, 100 * GB, 16 * 2**30, _SLICE),
+    "tpu-v5p": DeviceSpec("tpu-v5p", 459e12, 2765 * GB, 300 * GB, 300 * GB, 95 * 2**30, _SLICE),
+    "tpu-v6e": DeviceSpec("tpu-v6e", 918e12, 1640 * GB, 224 * GB, 224 * GB, 32 * 2**30, _SLICE),
 }
 
 

@@ -26,9 +26,13 @@ __all__ = ["cli", "format_plans", "read_run"]
 
 _ASSUMPTIONS = (
     "every sample generates max_new_tokens tokens; costs from XLA:CPU's compilation of the "
-    "trainers' programs on fake devices (cost analysis per device, depth extrapolated from 1 "
-    "and 2 layers above 4); roofline at the device kind's peaks times each phase's "
-    "efficiency; memory usable up to 90% of the device's."
+    "trainers' programs on fake devices (its cost analysis per device; models over 16 layers "
+    "extrapolated from 1-4 layer compiles); roofline at the device kind's peaks divided by "
+    "each phase's efficiency (uncalibrated: generate 0.5, score 0.5, train 0.4, sync 0.7), "
+    "collectives not overlapped with compute, each over in-node links or the network by its "
+    "group size; the optimizer step counted once per micro-batch; host work (a reward "
+    "function) only as calibrated (0 otherwise); memory usable up to 90% of the device's; "
+    "'flat' is the best plan evaluated with every role on one mesh over all devices."
 )
 
 
@@ -69,19 +73,30 @@ def format_plans(
     return "\n".join(lines)
 
 
-def _load_model(path: str | None) -> CostModel:
+def _load_model(path: str | None, cluster: str) -> CostModel:
+    """The cost model at ``path`` (defaults when None or absent); it must have been
+    calibrated on ``cluster``."""
     if path is None or not os.path.exists(path):
         return CostModel()
     with open(path, encoding="utf-8") as f:
-        return CostModel.from_json(f.read(), path)
+        model = CostModel.from_json(f.read(), path)
+    if model.cluster and model.cluster != cluster:
+        raise ConfigError(
+            f"--cost-model {path}: calibrated on {model.cluster}, not {cluster} (calibrate "
+            "there, or plan without it)"
+        )
+    return model
 
 
 def cli(args: argparse.Namespace) -> int:
     """Runs the planner; 0 when a plan fits, 1 when none does."""
-    if args.top < 1 or args.calibrate_plans < 1 or args.calibrate_steps < 3:
+    if args.top < 1 or args.calibrate_plans < 1 or args.calibrate_steps < 4:
         raise ConfigError(
-            "command line: --top and --calibrate-plans must be >= 1, --calibrate-steps >= 3"
+            "command line: --top and --calibrate-plans must be >= 1, --calibrate-steps >= 4 "
+            "(the first 2 iterations compile; 2 more are timed at least)"
         )
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ConfigError(f"--out {args.out}: its directory does not exist")
     data = read_run(args.config, args.set)
     kind, count = cluster_size(args.cluster)  # read before JAX starts
     platform.set_cpu_devices(count)
@@ -94,14 +109,14 @@ def cli(args: argparse.Namespace) -> int:
     is_cpu = kind == "cpu"
     if args.calibrate and not is_cpu:
         raise ConfigError(
-            f"--calibrate times plans on this machine's devices; --cluster {args.cluster} is "
-            "not here (calibrate on the target with --cluster of its kind, or plan uncalibrated)"
+            f"--calibrate times plans on this machine's CPU devices (--cluster cpu-N); "
+            f"{args.cluster} is not here: plan it uncalibrated"
         )
     source = args.config[0]
     searcher = Searcher(data, cluster, source, log=lambda s: print(s, file=sys.stderr))
     if searcher.cfg.algorithm not in RL_ALGORITHMS:
         raise ConfigError(f"{source}: algorithm: the planner plans RL runs (ppo, grpo)")
-    model = _load_model(args.cost_model)
+    model = _load_model(args.cost_model, cluster.label)
     layouts = list(candidates.layouts(searcher.cfg, count, is_cpu))
     print(f"planning {source} on {cluster.label}: {len(layouts)} layouts", file=sys.stderr)
     how = search(
@@ -112,12 +127,8 @@ def cli(args: argparse.Namespace) -> int:
         exhaustive_limit=args.exhaustive_limit,
         first=candidates.configured(searcher.cfg, layouts, count),  # annealing starts there
     )
-    references = {  # what the best plan is compared with
-        "flat": candidates.flat(searcher.cfg, count, is_cpu),
-        "as configured": {},
-    }
-    for overlay in references.values():
-        searcher.layout(overlay, model)
+    searcher.layout(candidates.flat(searcher.cfg, count, is_cpu), model)  # a flat reference
+    as_configured = searcher.exact({}, model)
     plans, rejected = searcher.ranked(model)
     if args.calibrate and plans:
         model = _calibrate(searcher, plans[: args.calibrate_plans], args)
@@ -132,8 +143,10 @@ def cli(args: argparse.Namespace) -> int:
         f"{fitted}; seconds per iteration, bytes per device)"
     )
     print(format_plans(plans, rejected, args.top, header))
-    for name, overlay in references.items():
-        print(_compare(searcher, plans, overlay, name, model))
+    if plans:
+        print(_compare(plans, _flat(plans), "flat (the best plan with every role on one mesh)"))
+        configured = searcher.exact({}, model) if args.calibrate else as_configured
+        print(_compare(plans, configured, "the run as configured"))
     if not plans:
         print("error: no plan fits (rejected plans above)", file=sys.stderr)
         return 1
@@ -146,27 +159,28 @@ def cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare(
-    searcher: Searcher, plans: Sequence[PlanEstimate], overlay: dict, name: str, model
-) -> str:
-    """One line: the best plan's predicted speedup over a reference plan."""
-    seconds, fastest = searcher.best_of(overlay, model)
-    if fastest is None or not plans:
-        return f"{name}: does not run ({_reason(searcher, overlay)})"
-    ref = searcher.price(fastest, model)
+def _flat(plans: Sequence[PlanEstimate]) -> PlanEstimate | None:
+    """ReaLHF's baseline: every role on all devices, one mesh for every phase (the best such
+    plan evaluated; the search always evaluates the fully sharded one)."""
+    flat = [
+        p
+        for p in plans
+        if p.overlay.get("placement", {}).get("strategy") == "colocated"
+        and p.overlay["placement"].get("generate_mesh") is None
+    ]
+    return min(flat, key=lambda p: p.iteration_s, default=None)
+
+
+def _compare(plans: Sequence[PlanEstimate], ref: PlanEstimate | str | None, name: str) -> str:
+    """One line: the best plan's predicted speedup over ``ref`` (a plan, or why none)."""
+    if not isinstance(ref, PlanEstimate):
+        return f"{name}: {ref or 'none evaluated'}"
+    if ref.rejected:
+        return f"{name}: does not fit ({ref.rejected})"
     speedup = ref.iteration_s / plans[0].iteration_s
-    return f"best plan vs {name} ({ref.label}): {ref.iteration_s:.3f} s -> {speedup:.2f}x"
-
-
-def _reason(searcher: Searcher, overlay: dict) -> str:
-    reasons = [e.error for e in searcher.evaluated if e.error and _within(overlay, e.overlay)]
-    return reasons[-1] if reasons else "not evaluated"
-
-
-def _within(small: dict, big: dict) -> bool:
-    return all(
-        _within(v, big.get(k, {})) if isinstance(v, dict) else big.get(k) == v
-        for k, v in small.items()
+    return (
+        f"best plan vs {name} ({ref.label}): {ref.iteration_s:.3f} -> "
+        f"{plans[0].iteration_s:.3f} s/iteration, {speedup:.2f}x"
     )
 
 
@@ -182,7 +196,7 @@ def _calibrate(searcher: Searcher, plans: Sequence[PlanEstimate], args) -> CostM
             evaluated = next(e for e in searcher.evaluated if e.label == plan.label)
             pairs.append((searcher.price(evaluated, unit), m))
             print(f"  measured {m.iteration_s:.3f} s/iteration", file=sys.stderr)
-    return fit(pairs, "; ".join(p.label for p in plans))
+    return fit(pairs, "; ".join(p.label for p in plans), searcher.cluster.label)
 
 
 def write_overlay(plan: PlanEstimate, path: str, source: str) -> None:

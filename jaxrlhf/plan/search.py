@@ -53,6 +53,7 @@ class Searcher:
         self.cfg = from_dict(base, source=source)
         self.evaluated: list[Evaluated] = []
         self._by_layout: dict[str, tuple[float, Evaluated | None]] = {}
+        self._exact: dict[str, Evaluated] = {}
 
     def config(self, overlay: dict[str, Any]):
         return from_dict(merge_configs(self.base, overlay), source=self.source)
@@ -79,7 +80,7 @@ class Searcher:
                 compiled = compile_plan(cfg, self.source)
             except invalid_plan_errors() as e:
                 self.evaluated.append(Evaluated(plan, label, None, _first_line(e)))
-                if "micro_batch_size" in str(e):
+                if "micro" in str(e):
                     continue  # this micro-batch size does not divide the rows: try smaller
                 break  # not a valid layout: memory knobs do not change that
             fits = estimate(cfg, self.cluster, model, compiled=compiled)
@@ -101,6 +102,20 @@ class Searcher:
             break
         self._by_layout[key] = (best, fastest)
         return best, fastest
+
+    def exact(self, overlay: dict[str, Any], model: CostModel) -> PlanEstimate | str:
+        """``overlay`` as it is (no memory or staleness variants): its estimate, or why it
+        is not a valid run."""
+        key = "exact " + repr(sorted(overlay.items()))
+        if key not in self._exact:
+            try:
+                cfg = self.config(overlay)
+                self._exact[key] = Evaluated(
+                    overlay, candidates.describe(overlay, self.cfg.algorithm), compile_plan(cfg)
+                )
+            except invalid_plan_errors() as e:
+                return f"not a valid run: {_first_line(e)}"
+        return self.price(self._exact[key], model)
 
     def price(self, e: Evaluated, model: CostModel) -> PlanEstimate:
         """The estimate of an evaluated plan under ``model`` (no recompilation)."""

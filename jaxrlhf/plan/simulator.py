@@ -167,8 +167,12 @@ def iteration_tasks(
         needed = i - 1 - max_staleness  # the oldest update this rollout may lag behind
         if needed >= 0:
             carrier = next((synced[u] for u in range(needed, i) if u in synced), None)
-            if carrier is None:  # no sync since: wait for the one after update `needed`
-                carrier = next(synced[u] for u in sorted(synced) if u >= needed)
+            if carrier is None:
+                raise ValueError(
+                    f"weights synced every {weight_sync_every} updates fall up to "
+                    f"{weight_sync_every - 1} versions behind, beyond max_staleness "
+                    f"{max_staleness}"
+                )
             deps.append(carrier)
         tasks.append(Task(f"generate{i}", ("sampler",), phases["generate"], tuple(deps)))
         tasks.append(Task(f"score{i}", ("learner",), phases["score"], (f"generate{i}",)))

@@ -101,6 +101,32 @@ def leaf_bytes_moved(
     return elements * itemsize
 
 
+def bytes_received(src_shardings: Any, dst_shardings: Any, shapes_dtypes: Any) -> dict[Any, int]:
+    """:func:`reshard_bytes` per destination device: device -> the bytes it receives (what
+    its new shards hold that the same device did not hold before; 0 where nothing moves).
+    Arguments as :func:`reshard_bytes`."""
+    leaves, treedef = jax.tree.flatten(shapes_dtypes)
+    if src_shardings is None:
+        srcs: list[Sharding | None] = [None] * len(leaves)
+    else:
+        srcs = list(_flat_shardings(src_shardings, treedef, "source shardings"))
+    dsts = _flat_shardings(dst_shardings, treedef, "destination shardings")
+    received: dict[Any, int] = {}
+    for src, dst, leaf in zip(srcs, dsts, leaves, strict=True):
+        shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
+        held = (
+            {d: _box(i, shape) for d, i in src.devices_indices_map(shape).items()}
+            if src is not None
+            else {}
+        )
+        for device, index in dst.devices_indices_map(shape).items():
+            need = _box(index, shape)
+            have = held.get(device)
+            missing = _volume(need) - (_overlap(need, have) if have is not None else 0)
+            received[device] = received.get(device, 0) + missing * itemsize
+    return received
+
+
 def _flat_shardings(shardings: Any, treedef: Any, what: str) -> list[Sharding]:
     """Leaves of ``shardings`` aligned with ``treedef`` (a single Sharding broadcasts)."""
     if isinstance(shardings, Sharding):

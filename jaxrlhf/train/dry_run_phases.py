@@ -28,9 +28,9 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
-from jaxrlhf.plan.program_cost import ProgramCost, program_cost
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.sharding.model_sharding import bytes_per_device
+from jaxrlhf.train.program_cost import ProgramCost, program_cost
 from jaxrlhf.train.state import TrainState, create_state
 from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
 

@@ -18,9 +18,9 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraParams, combine
 from jaxrlhf.models.packing import RowPacking, bucket_sizes
-from jaxrlhf.plan.reshard_cost import reshard_bytes
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
+from jaxrlhf.sharding.reshard import bytes_received
 from jaxrlhf.train.dry_run_phases import Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
@@ -65,8 +65,7 @@ def _generate_copy(pl: Planner, name: str, source: str, shardings: Any) -> Any:
     ``jax.device_put`` does not copy); returns the whole copy, abstract."""
     abstract, train_sh = pl.trees[source]
     whole = pl.add(name, abstract, shardings)
-    moved = reshard_bytes(abstract, train_sh, shardings)
-    pl.reshard_bytes = max(moved.values(), default=0)
+    pl.reshard_bytes = max(bytes_received(train_sh, shardings, abstract).values(), default=0)
     same = jax.tree.map(
         lambda a, s, t: s.is_equivalent_to(t, a.ndim), abstract, shardings, train_sh
     )
@@ -148,8 +147,13 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
             passed=["trunk", "policy.params"],
         )
         gen_live, gen_passed = [*held, "policy.generate"], ["policy.generate"]
+        pl.reshard_bytes = pl.nbytes("policy.generate")  # the merged policy moves whole
     elif programs.sync is not None:
         gen_params, gen_live, gen_passed = _plan_lora_sync(pl, programs, held)
+        moved = (
+            "policy.generate.adapters" if programs.sync.mode == "adapters" else "policy.generate"
+        )
+        pl.reshard_bytes = pl.nbytes(moved)
     else:
         gen_params = _generate_copy(pl, "policy.generate", "policy.params", sampler.param_shardings)
         gen_live = [*held, "policy.generate.copy"]

@@ -14,9 +14,10 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_config import from_hf_config, to_hf_config
 
 # Preset -> (published total parameters, one unit of the card's last digit). Cards:
-# meta-llama/Llama-3.2-{1B,3B} and Meta-Llama-3-70B (70.6B), Qwen/Qwen3-*, mistralai/Mixtral-8x7B-v0.1, google/gemma-2-*
-# (2.61B, 9.24B), google/gemma-3-1b-pt (1B), microsoft/Phi-3-mini-4k-instruct (3.8B); Gemma
-# 3 4B's 4.3B includes its 0.4B vision tower, so its language model is checked at 3.9B.
+# meta-llama/Llama-3.2-{1B,3B}, Meta-Llama-3-70B (70.6B), Qwen/Qwen3-*,
+# mistralai/Mixtral-8x7B-v0.1, google/gemma-2-* (2.61B, 9.24B), google/gemma-3-1b-pt (1B),
+# microsoft/Phi-3-mini-4k-instruct (3.8B); Gemma 3 4B's 4.3B includes its 0.4B vision
+# tower, so its language model is checked at 3.9B.
 PUBLISHED = {
     "llama3_2_1b": (1.23e9, 0.01e9),
     "llama3_2_3b": (3.21e9, 0.01e9),

@@ -17,9 +17,9 @@ from jaxrlhf.plan import candidates
 from jaxrlhf.plan.calibration import Measurement, fit, from_timeline
 from jaxrlhf.plan.estimate import CostModel, PlanEstimate, ScheduleShape
 from jaxrlhf.plan.hardware import DEVICE_SPECS, DeviceSpec, cluster_size, parse_cluster
-from jaxrlhf.plan.program_cost import ProgramCost, collective_bytes, program_cost, roofline_seconds
-from jaxrlhf.plan.reshard_cost import reshard_bytes
 from jaxrlhf.plan.simulator import Task, iteration_tasks, simulate
+from jaxrlhf.sharding.reshard import bytes_received
+from jaxrlhf.train.program_cost import ProgramCost, collective_bytes, program_cost, roofline_seconds
 
 # ---- roofline --------------------------------------------------------------------------------
 
@@ -27,8 +27,13 @@ from jaxrlhf.plan.simulator import Task, iteration_tasks, simulate
 def test_roofline_is_the_slower_of_compute_and_memory_plus_collectives():
     # 2e12 FLOPs at 1e12 FLOP/s = 2 s; 1e12 bytes at 1e12 B/s = 1 s -> compute-bound 2 s;
     # plus 5e9 collective bytes at 1e10 B/s = 0.5 s.
-    cost = ProgramCost(flops=2e12, bytes_accessed=1e12, collective_bytes=5e9)
+    cost = ProgramCost(flops=2e12, bytes_accessed=1e12, collectives=((8, 5e9),))
     assert roofline_seconds(cost, 1e12, 1e12, 1e10) == pytest.approx(2.5)
+    # Each group size over its own link: 4e9 bytes in groups of 8 inside a node at 4e11 B/s
+    # (0.01 s), 1e9 in groups of 64 across nodes at 5e10 B/s (0.02 s).
+    h100 = DEVICE_SPECS["h100"]
+    mixed = ProgramCost(flops=0, bytes_accessed=0, collectives=((8, 4.5e9), (64, 1e9)))
+    assert roofline_seconds(mixed, 1.0, 1.0, h100.link_for) == pytest.approx(0.01 + 0.02)
     # Memory-bound: 4e12 bytes / 1e12 = 4 s > 2 s of compute.
     cost = ProgramCost(flops=2e12, bytes_accessed=4e12)
     assert roofline_seconds(cost, 1e12, 1e12, 1e10) == pytest.approx(4.0)
@@ -44,11 +49,14 @@ def test_h100_decode_step_by_hand():
 
 
 def test_cost_scale_add_and_depth_extrapolation():
-    one, two = ProgramCost(10, 100, 4, devices=2), ProgramCost(16, 130, 6, devices=2)
-    # affine in depth: 10 + 31 x 6 = 196 FLOPs at 32 layers, 100 + 31 x 30 = 1030 bytes
-    assert one.extrapolate(two, 32) == ProgramCost(196, 1030, 66, devices=2)
-    assert one.scale(3) == ProgramCost(30, 300, 12, devices=2)
-    assert one + two == ProgramCost(26, 230, 10, devices=2)
+    one = ProgramCost(10, 100, ((2, 4.0),), devices=2)
+    two = ProgramCost(16, 130, ((2, 6.0), (4, 1.0)), devices=2)
+    # affine in depth: 10 + 31 x 6 = 196 FLOPs at 32 layers, 100 + 31 x 30 = 1030 bytes;
+    # collectives per group size: 4 + 31 x 2 = 66 over pairs, 0 + 31 x 1 over groups of 4
+    assert one.extrapolate(two, 32) == ProgramCost(196, 1030, ((2, 66.0), (4, 31.0)), 2)
+    assert one.scale(3) == ProgramCost(30, 300, ((2, 12.0),), devices=2)
+    assert one + two == ProgramCost(26, 230, ((2, 10.0), (4, 1.0)), devices=2)
+    assert two.collective_bytes == 7.0
 
 
 def test_program_cost_counts_a_matmul_and_a_loop_body_once():
@@ -77,19 +85,25 @@ HLO = """
   %cp = s32[10]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}
   %ars = f32[256]{0} all-reduce-start(%w), replica_groups={{0,1,2,3,4,5,6,7}}
   %ard = f32[256]{0} all-reduce-done(%ars)
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%v), replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[64]{0} all-gather-done(%ags)
   %add = f32[512]{0} add(%all-reduce, %all-reduce)
 """
 
 
 def test_collective_bytes_by_hand():
-    expected = (
-        2 * 3 / 4 * 512 * 4  # all-reduce of 2 KiB over the 4 devices of axis a
-        + 1 / 2 * 8 * 128 * 2  # all-gather of 2 KiB (bf16) over groups of 2
-        + 3 * (4 + 4) * 4  # reduce-scatter, groups of 4, 32 bytes of result
-        + 10 * 4  # collective-permute sends its 40 bytes
-        + 2 * 7 / 8 * 256 * 4  # async all-reduce counted at its start, not its done
-    )
-    assert collective_bytes(HLO, 8) == pytest.approx(expected)
+    expected = {
+        4: 2 * 3 / 4 * 512 * 4  # all-reduce of 2 KiB over the 4 devices of axis a
+        + 3 * (4 + 4) * 4,  # reduce-scatter, groups of 4, 32 bytes of result
+        2: 1 / 2 * 8 * 128 * 2  # all-gather of 2 KiB (bf16) over groups of 2
+        + 10 * 4,  # collective-permute sends its 40 bytes
+        8: 2 * 7 / 8 * 256 * 4  # async all-reduce counted at its start, not its done
+        + 7 / 8 * 64 * 4,  # async all-gather: its result (the tuple's second half)
+    }
+    got = dict(collective_bytes(HLO, 8))
+    assert got.keys() == expected.keys()
+    for n, b in expected.items():
+        assert got[n] == pytest.approx(b), n
 
 
 def test_collective_bytes_of_a_sharded_program(cpu_devices):
@@ -114,15 +128,15 @@ def test_reshard_bytes_by_hand(cpu_devices):
     replicated = NamedSharding(mesh, P())
     # rows -> columns: each device keeps the 2 x 4 block where its rows and columns meet
     # (32 bytes) and receives 96.
-    moved = reshard_bytes(leaf, rows, cols)
+    moved = bytes_received(rows, cols, leaf)
     assert set(moved) == set(devices) and all(v == 96 for v in moved.values())
     # rows -> replicated: each device receives the 384 bytes it lacks.
-    assert set(reshard_bytes(leaf, rows, replicated).values()) == {384}
+    assert set(bytes_received(rows, replicated, leaf).values()) == {384}
     # replicated -> rows: nothing moves.
-    assert set(reshard_bytes(leaf, replicated, rows).values()) == {0}
+    assert set(bytes_received(replicated, rows, leaf).values()) == {0}
     # to other devices (a separated sampler): everything moves, 256 bytes per half.
     other = jax.make_mesh((2,), ("d",), devices=jax.devices()[4:6])
-    moved = reshard_bytes(leaf, rows, NamedSharding(other, P("d", None)))
+    moved = bytes_received(rows, NamedSharding(other, P("d", None)), leaf)
     assert set(moved) == set(jax.devices()[4:6]) and set(moved.values()) == {256}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ProgramCost", "collective_bytes", "program_cost", "roofline_seconds"]
@@ -39,21 +40,32 @@ class ProgramCost:
     Attributes:
       flops: floating-point operations per device.
       bytes_accessed: bytes read and written to device memory per device.
-      collective_bytes: bytes each device sends over the interconnect (ring algorithms:
-        an all-reduce of S bytes over n devices sends 2 (n - 1) / n x S).
+      collectives: ``(group size, bytes)`` pairs, one per replica-group size: the bytes each
+        device sends over the interconnect in collectives over groups of that many devices
+        (ring algorithms: an all-reduce of S bytes over n devices sends 2 (n - 1) / n x S).
       devices: the devices the program spans (its SPMD partitions).
     """
 
     flops: float
     bytes_accessed: float
-    collective_bytes: float = 0.0
+    collectives: tuple[tuple[int, float], ...] = ()
     devices: int = 1
+
+    @property
+    def collective_bytes(self) -> float:
+        """Bytes each device sends in all collectives."""
+        return sum(b for _, b in self.collectives)
+
+    def _combine(self, other: ProgramCost, f: Callable[[float, float], float]) -> tuple:
+        mine, theirs = dict(self.collectives), dict(other.collectives)
+        groups = sorted(set(mine) | set(theirs))
+        return tuple((g, f(mine.get(g, 0.0), theirs.get(g, 0.0))) for g in groups)
 
     def __add__(self, other: ProgramCost) -> ProgramCost:
         return ProgramCost(
             self.flops + other.flops,
             self.bytes_accessed + other.bytes_accessed,
-            self.collective_bytes + other.collective_bytes,
+            self._combine(other, lambda a, b: a + b),
             max(self.devices, other.devices),
         )
 
@@ -62,22 +74,21 @@ class ProgramCost:
         return ProgramCost(
             self.flops * factor,
             self.bytes_accessed * factor,
-            self.collective_bytes * factor,
+            tuple((g, b * factor) for g, b in self.collectives),
             self.devices,
         )
 
     def extrapolate(self, other: ProgramCost, layers: int) -> ProgramCost:
         """``self`` at 1 decoder layer, ``other`` at 2: the cost at ``layers`` (affine)."""
+
+        def line(a: float, b: float) -> float:
+            return max(0.0, a + (layers - 1) * (b - a))
+
         return ProgramCost(
-            *(
-                max(0.0, a + (layers - 1) * (b - a))
-                for a, b in (
-                    (self.flops, other.flops),
-                    (self.bytes_accessed, other.bytes_accessed),
-                    (self.collective_bytes, other.collective_bytes),
-                )
-            ),
-            devices=self.devices,
+            line(self.flops, other.flops),
+            line(self.bytes_accessed, other.bytes_accessed),
+            self._combine(other, line),
+            self.devices,
         )
 
 
@@ -104,31 +115,38 @@ def _group_size(line: str, devices: int) -> int:
     return 2 if m else devices
 
 
-def collective_bytes(hlo_text: str, devices: int) -> float:
-    """Bytes each device sends for the collectives of an HLO module's text (each once).
+def collective_bytes(hlo_text: str, devices: int) -> tuple[tuple[int, float], ...]:
+    """Bytes each device sends for the collectives of an HLO module's text (each once), per
+    replica-group size: ``((group size, bytes), ...)``.
 
     Ring costs per device for a result of S bytes over a group of n: all-reduce
     ``2 (n-1)/n S``, all-gather and all-to-all ``(n-1)/n S``, reduce-scatter ``(n-1) S``
-    (its result is one shard), collective-permute ``S``.
+    (its result is one shard), collective-permute ``S``. An asynchronous collective counts at
+    its ``-start``, whose tuple shape holds its operands and then its results: the results
+    are counted.
     """
-    total = 0.0
+    totals: dict[int, float] = {}
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.search(line)
         if m is None or "-done(" in line:
             continue
-        op, size = m.group("op"), _array_bytes(m.group("shape"))
-        n = _group_size(line, devices)
+        op, shape = m.group("op"), m.group("shape")
+        if f"{op}-start(" in line and shape.startswith("("):
+            arrays = _ARRAY.findall(shape)
+            shape = " ".join(f"{t}[{d}]" for t, d in arrays[len(arrays) // 2 :])
+        size, n = _array_bytes(shape), _group_size(line, devices)
         if n <= 1:
             continue
         if op == "all-reduce":
-            total += 2 * (n - 1) / n * size
+            sent = 2 * (n - 1) / n * size
         elif op == "reduce-scatter":
-            total += (n - 1) * size
+            sent = (n - 1) * size
         elif op == "collective-permute":
-            total += size
+            sent = size
         else:
-            total += (n - 1) / n * size
-    return total
+            sent = (n - 1) / n * size
+        totals[n] = totals.get(n, 0.0) + sent
+    return tuple(sorted(totals.items()))
 
 
 def program_cost(compiled: Any, devices: int) -> ProgramCost:
@@ -140,16 +158,23 @@ def program_cost(compiled: Any, devices: int) -> ProgramCost:
     return ProgramCost(
         flops=float(analysis.get("flops", 0.0)),
         bytes_accessed=float(analysis.get("bytes accessed", 0.0)),
-        collective_bytes=collective_bytes(compiled.as_text(), devices),
+        collectives=collective_bytes(compiled.as_text(), devices),
         devices=devices,
     )
 
 
 def roofline_seconds(
-    cost: ProgramCost, peak_flops: float, memory_bandwidth: float, link_bandwidth: float
+    cost: ProgramCost,
+    peak_flops: float,
+    memory_bandwidth: float,
+    link_bandwidth: float | Callable[[int], float],
 ) -> float:
     """Seconds for ``cost`` at the device's peaks: ``max(flops / peak, bytes / bandwidth)``
-    (compute and memory traffic overlap) plus ``collective_bytes / link_bandwidth`` (not
-    overlapped: XLA's collectives mostly wait on their operands). Units: FLOP/s and B/s."""
+    (compute and memory traffic overlap) plus each collective group's bytes over its link
+    (not overlapped: XLA's collectives mostly wait on their operands). Units: FLOP/s and
+    B/s; ``link_bandwidth``: one figure, or a function of the group size (in-node links or
+    the network)."""
     compute = max(cost.flops / peak_flops, cost.bytes_accessed / memory_bandwidth)
+    if callable(link_bandwidth):
+        return compute + sum(b / link_bandwidth(g) for g, b in cost.collectives)
     return compute + cost.collective_bytes / link_bandwidth
