@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from jaxrlhf.config import from_dict, merge_configs
+from jaxrlhf.models import model as model_lib
 from jaxrlhf.plan import __main__ as plan_cli
 from jaxrlhf.plan import candidates, estimate
 from jaxrlhf.plan.hardware import Cluster, DeviceSpec
@@ -80,7 +81,9 @@ def test_staleness_overlaps_the_sampler_and_the_learner():
     assert stale.iteration_s == pytest.approx(max(learner, sampler))
     assert stale.idle_fraction == pytest.approx(1 - (learner + sampler) / 2 / max(learner, sampler))
     assert sync.groups == {"sampler": 1, "learner": 1}
-    assert sync.reshard_bytes > 0  # the policy moves to the sampler's device
+    # The whole float32 policy moves to the sampler's device at each sync.
+    policy = model_lib.param_count(model_lib.abstract_params(sync_cfg.model.resolve()))
+    assert sync.reshard_bytes == 4 * policy
 
 
 def test_depth_extrapolation_matches_a_full_depth_compile(monkeypatch):
