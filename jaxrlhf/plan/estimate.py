@@ -54,6 +54,7 @@ __all__ = [
     "compile_plan",
     "estimate",
     "invalid_plan_errors",
+    "state_floor",
     "with_layers",
 ]
 
@@ -388,6 +389,32 @@ def _idle(window: tuple[Schedule, float, float], groups: Mapping[str, int], peri
     total = sum(groups.values())
     busy = sum(schedule.busy(g, start, end) * n for g, n in groups.items())
     return max(0.0, 1.0 - busy / (total * (end - start)))
+
+
+def state_floor(cfg: RunConfig) -> int:
+    """A lower bound of the bytes per learner device that the models' states need, without
+    compiling: every trained model's parameters and Adam moments at the parameter dtype (3
+    copies) and every frozen one's parameters, over the learner mesh's fsdp x tensor shards.
+    0 for LoRA and Hydra runs (their trained part is small; the compile decides)."""
+    from jaxrlhf.config import rl_section
+    from jaxrlhf.models import model as model_lib
+
+    algo = rl_section(cfg)
+    if cfg.lora is not None or getattr(getattr(algo, "value", None), "branch_layer", None):
+        return 0
+    model = cfg.model.resolve()
+    itemsize = 2 if model.param_dtype in ("bfloat16", "float16") else 4
+    lm = model_lib.param_count(model_lib.abstract_params(model))
+    scalar = model_lib.param_count(model_lib.abstract_params(model, "scalar"))
+    copies = 3 * lm + lm  # the policy trained, the reference frozen
+    if cfg.algorithm == "ppo":
+        copies += 3 * scalar  # the critic
+    if algo.reward.model_dir is not None:
+        copies += scalar  # the reward model (planned with the policy's architecture)
+    p = cfg.placement
+    mesh = cfg.mesh if p.learner is None or p.learner.mesh is None else p.learner.mesh
+    shards = max(1, mesh.fsdp) * max(1, mesh.tensor)
+    return copies * itemsize // shards
 
 
 def invalid_plan_errors() -> tuple[type[Exception], ...]:

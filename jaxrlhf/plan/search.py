@@ -22,12 +22,14 @@ from typing import Any
 from jaxrlhf.config import from_dict, merge_configs
 from jaxrlhf.plan import candidates
 from jaxrlhf.plan.estimate import (
+    USABLE_MEMORY,
     CompiledPlan,
     CostModel,
     PlanEstimate,
     compile_plan,
     estimate,
     invalid_plan_errors,
+    state_floor,
 )
 from jaxrlhf.plan.hardware import Cluster
 
@@ -77,6 +79,15 @@ class Searcher:
             start = time.perf_counter()
             try:
                 cfg = self.config(plan)
+                floor, usable = state_floor(cfg), USABLE_MEMORY * self.cluster.spec.memory_bytes
+                if floor > usable:  # no compile needed to know it does not fit
+                    why = (
+                        f"the models' states alone need over {floor / 2**30:.1f} GiB per "
+                        f"learner device, above the {usable / 2**30:.1f} GiB usable"
+                    )
+                    self.evaluated.append(Evaluated(plan, label, None, why))
+                    self.log(f"  {label}: rejected, {why}")
+                    continue
                 compiled = compile_plan(cfg, self.source)
             except invalid_plan_errors() as e:
                 self.evaluated.append(Evaluated(plan, label, None, _first_line(e)))
