@@ -427,3 +427,27 @@ def test_memory_variants_halve_the_micro_batch_then_remat():
     assert micro == [32, 16, 8, 4, 2, 1]
     assert variants[len(micro) + 1] == {"model": {"remat": "full"}}
     assert len(variants) == 2 * (len(micro) + 1)
+
+
+def test_layouts_whose_states_cannot_fit_are_rejected_without_compiling(monkeypatch):
+    """Llama-3-8B PPO (policy + critic trained, reference + reward model frozen, bf16) on
+    8 x H100 data-parallel only: each device would hold 3 x 16.1 GB of policy state, 3 x 15.0
+    GB of critic state and 31.1 GB of frozen weights, 115.7 GiB over the 72 GiB usable:
+    rejected before any compile. fsdp 4 x tensor 2 needs an eighth of it: compiled."""
+    from jaxrlhf.config import read_configs
+    from jaxrlhf.plan import search
+    from jaxrlhf.plan.estimate import state_floor
+
+    data, _ = read_configs(["configs/recipes/llama3_8b_ppo_8xh100.yaml"])
+    searcher = search.Searcher(data, parse_cluster("h100x8"), "recipe", log=lambda s: None)
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(search, "compile_plan", no_compile)
+    dp = {"placement": {"strategy": "colocated"}, "mesh": {"data": 8, "fsdp": 1, "tensor": 1}}
+    assert searcher.layout(dp, CostModel()) == math.inf
+    (rejected,) = searcher.evaluated
+    assert "states alone need over 115.7 GiB per learner device" in rejected.error
+    fsdp = searcher.config({"mesh": {"data": 1, "fsdp": 4, "tensor": 2}})
+    assert state_floor(fsdp) == pytest.approx(115.75 * 2**30 / 8, rel=1e-3)
