@@ -151,16 +151,7 @@ def reshard_bytes(src_shardings: Any, dst_shardings: Any, shapes_dtypes: Any) ->
     Returns:
       Total bytes moved, as defined in the module docstring.
     """
-    leaves, treedef = jax.tree.flatten(shapes_dtypes)
-    if src_shardings is None:
-        srcs: list[Sharding | None] = [None] * len(leaves)
-    else:
-        srcs = list(_flat_shardings(src_shardings, treedef, "source shardings"))
-    dsts = _flat_shardings(dst_shardings, treedef, "destination shardings")
-    return sum(
-        leaf_bytes_moved(src, dst, leaf.shape, np.dtype(leaf.dtype).itemsize)
-        for src, dst, leaf in zip(srcs, dsts, leaves, strict=True)
-    )
+    return sum(bytes_received(src_shardings, dst_shardings, shapes_dtypes).values())
 
 
 def _buffer_pointers(x: jax.Array) -> set[int]:
