@@ -392,10 +392,13 @@ def _idle(window: tuple[Schedule, float, float], groups: Mapping[str, int], peri
 
 
 def state_floor(cfg: RunConfig) -> int:
-    """A lower bound of the bytes per learner device that the models' states need, without
-    compiling: every trained model's parameters and Adam moments at the parameter dtype (3
-    copies) and every frozen one's parameters, over the learner mesh's fsdp x tensor shards.
-    0 for LoRA and Hydra runs (their trained part is small; the compile decides)."""
+    """A lower bound of the bytes per device that the models' states need, without
+    compiling, on the busiest device group: on the learner's, every trained model's
+    parameters and Adam moments at the parameter dtype (3 copies) and every frozen one's
+    parameters over its fsdp x tensor shards, plus (colocated) the sampler's copy of the
+    policy where its layout differs; on a separated sampler's, that copy. The sampler keeps
+    the policy whole on each data x fsdp replica, sharded over tensor only. 0 for LoRA and
+    Hydra runs (their trained part is small; the compile decides)."""
     from jaxrlhf.config import rl_section
     from jaxrlhf.models import model as model_lib
 
@@ -412,9 +415,16 @@ def state_floor(cfg: RunConfig) -> int:
     if algo.reward.model_dir is not None:
         copies += scalar  # the reward model (planned with the policy's architecture)
     p = cfg.placement
-    mesh = cfg.mesh if p.learner is None or p.learner.mesh is None else p.learner.mesh
-    shards = max(1, mesh.fsdp) * max(1, mesh.tensor)
-    return copies * itemsize // shards
+    learner = cfg.mesh if p.learner is None or p.learner.mesh is None else p.learner.mesh
+    learner_tensor = max(1, learner.tensor)
+    learner_bytes = copies * itemsize // (max(1, learner.fsdp) * learner_tensor)
+    if p.strategy == "separated":
+        sampler = p.sampler.mesh if p.sampler is not None and p.sampler.mesh else None
+        copy = lm * itemsize // max(1, sampler.tensor if sampler is not None else 1)
+        return max(learner_bytes, copy)
+    sampler_tensor = max(1, (p.generate_mesh or learner).tensor)
+    differs = learner.fsdp > 1 or sampler_tensor != learner_tensor
+    return learner_bytes + (lm * itemsize // sampler_tensor if differs else 0)
 
 
 def invalid_plan_errors() -> tuple[type[Exception], ...]:

@@ -83,7 +83,7 @@ class Searcher:
                 if floor > usable:  # no compile needed to know it does not fit
                     why = (
                         f"the models' states alone need over {floor / 2**30:.1f} GiB per "
-                        f"learner device, above the {usable / 2**30:.1f} GiB usable"
+                        f"device, above the {usable / 2**30:.1f} GiB usable"
                     )
                     self.evaluated.append(Evaluated(plan, label, None, why))
                     self.log(f"  {label}: rejected, {why}")
