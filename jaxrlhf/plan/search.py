@@ -3,10 +3,10 @@
 Each layout (placement, groups, meshes: ``candidates.layouts``) is compiled once per memory
 variant until one fits (``candidates.memory_variants``), then every staleness bound of it is
 scored by the simulator alone. :func:`search` visits every layout when there are at most
-``exhaustive_limit``, else runs a Metropolis walk over them (a neighbour changes the
-strategy/split or one group's mesh; worse plans are accepted with probability
-``exp(-relative slowdown / temperature)``, the temperature falling linearly to zero) until
-the time limit. Compiled plans are cached, so re-ranking under a new cost model
+``exhaustive_limit``, else runs a Metropolis walk over them (a neighbour changes one
+group's mesh, or a quarter of the time the strategy; worse plans are accepted with
+probability ``exp(-relative slowdown / temperature)``, the temperature falling linearly to
+zero) until the time limit. Compiled plans are cached, so re-ranking under a new cost model
 (``--calibrate``) recompiles nothing.
 """
 
@@ -151,6 +151,10 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def _strategy(overlay: dict[str, Any]) -> str:
+    return overlay.get("placement", {}).get("strategy", "colocated")
+
+
 def _features(overlay: dict[str, Any]) -> tuple[str, str, str]:
     p = overlay.get("placement", {})
     if p.get("strategy") == "separated":
@@ -197,6 +201,12 @@ def search(
         unseen = [i for i in near if i not in visited] or [
             i for i in range(len(layouts)) if i not in visited
         ]
+        # A strategy's layouts differ from the other's in every feature: a quarter of the
+        # proposals jump to the other strategy, so a short walk sees both.
+        other = [i for i in range(len(layouts)) if i not in visited]
+        other = [i for i in other if _strategy(layouts[i]) != _strategy(layouts[current])]
+        if other and rng.random() < 0.25:
+            unseen = other
         proposal = rng.choice(unseen)
         visited.add(proposal)
         new = searcher.layout(layouts[proposal], model)
