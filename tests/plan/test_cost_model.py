@@ -453,3 +453,39 @@ def test_layouts_whose_states_cannot_fit_are_rejected_without_compiling(monkeypa
     # (16.06 GB, whole over fsdp, halved by tensor: 7.48 GiB).
     fsdp = searcher.config({"mesh": {"data": 1, "fsdp": 4, "tensor": 2}})
     assert state_floor(fsdp) == pytest.approx((115.75 / 8 + 7.48) * 2**30, rel=1e-3)
+
+
+def test_annealing_walk_stays_within_its_time_limit_and_sees_both_strategies():
+    """Annealing over 40 fake layouts (cost = its index + 1; each evaluation takes 1 s of a
+    fake clock) with a 12 s limit: it stops after the limit, starts where told, and reaches
+    separated layouts although they share no feature with the colocated start."""
+    from jaxrlhf.plan.search import search
+
+    layouts = [
+        {"placement": {"strategy": "colocated", "generate_mesh": None}, "mesh": {"fsdp": i}}
+        for i in range(20)
+    ] + [
+        {
+            "placement": {
+                "strategy": "separated",
+                "sampler": {"devices": [0], "mesh": {"data": i}},
+                "learner": {"devices": [1], "mesh": {"fsdp": i}},
+            }
+        }
+        for i in range(20)
+    ]
+    now = [0.0]
+    visited = []
+
+    class FakeSearcher:
+        def layout(self, overlay, model):
+            now[0] += 1.0
+            visited.append(layouts.index(overlay))
+            return float(visited[-1] + 1)
+
+    how = search(
+        FakeSearcher(), layouts, CostModel(), time_limit_s=12, first=5, clock=lambda: now[0]
+    )
+    assert visited[0] == 5 and 12 <= len(visited) <= 14
+    assert how.startswith(f"annealing, {len(visited)} of 40 layouts")
+    assert any(i >= 20 for i in visited) and len(set(visited)) == len(visited)
