@@ -14,6 +14,8 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxrlhf.plan.calibration import DEFAULT_COST_MODEL
+
     parser = argparse.ArgumentParser(
         prog="python -m jaxrlhf.plan",
         description="Choose placement, meshes, remat, micro-batches and staleness for an RL "
@@ -36,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--cost-model",
         metavar="FILE",
-        help="cost model JSON: read it if it exists (a previous --calibrate), and "
-        "--calibrate writes it (default with --calibrate: plan_cost_model.json)",
+        default=DEFAULT_COST_MODEL,
+        help="cost model JSON: read when it exists and was calibrated on this cluster (a "
+        "previous --calibrate), written by --calibrate (default: %(default)s)",
     )
     add("--time-limit", type=float, default=600.0, help="search seconds for large spaces")
     add("--exhaustive-limit", type=int, default=24, help="layouts searched exhaustively")

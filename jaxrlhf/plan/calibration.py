@@ -27,8 +27,9 @@ import yaml
 from jaxrlhf.config import ConfigError
 from jaxrlhf.plan.estimate import DEFAULT_CONTENTION, PHASES, CostModel, PlanEstimate
 
-__all__ = ["Measurement", "fit", "measure"]
+__all__ = ["DEFAULT_COST_MODEL", "Measurement", "fit", "from_timeline", "measure"]
 
+DEFAULT_COST_MODEL = "plan_cost_model.json"  # where --calibrate writes, and the planner reads
 _TIMELINE_PHASES = {"sample": "generate", "score": "score", "update": "train", "sync": "sync"}
 
 

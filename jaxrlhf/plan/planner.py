@@ -17,7 +17,7 @@ import yaml
 from jaxrlhf import platform
 from jaxrlhf.config import RL_ALGORITHMS, ConfigError, merge_configs, read_configs
 from jaxrlhf.plan import candidates
-from jaxrlhf.plan.calibration import fit, measure
+from jaxrlhf.plan.calibration import DEFAULT_COST_MODEL, fit, measure
 from jaxrlhf.plan.estimate import CostModel, PlanEstimate, gib
 from jaxrlhf.plan.hardware import cluster_size, parse_cluster
 from jaxrlhf.plan.search import Evaluated, Searcher, search
@@ -73,18 +73,21 @@ def format_plans(
     return "\n".join(lines)
 
 
-def _load_model(path: str | None, cluster: str) -> CostModel:
-    """The cost model at ``path`` (defaults when None or absent); it must have been
-    calibrated on ``cluster``."""
-    if path is None or not os.path.exists(path):
+def _load_model(path: str, cluster: str, explicit: bool) -> CostModel:
+    """The cost model at ``path`` (defaults when absent). One calibrated on another cluster
+    is an error when the user named the file, else ignored with a note."""
+    if not os.path.exists(path):
         return CostModel()
     with open(path, encoding="utf-8") as f:
         model = CostModel.from_json(f.read(), path)
     if model.cluster and model.cluster != cluster:
-        raise ConfigError(
-            f"--cost-model {path}: calibrated on {model.cluster}, not {cluster} (calibrate "
-            "there, or plan without it)"
-        )
+        if explicit:
+            raise ConfigError(
+                f"--cost-model {path}: calibrated on {model.cluster}, not {cluster} "
+                "(calibrate there, or plan without it)"
+            )
+        print(f"note: {path} was calibrated on {model.cluster}: not used", file=sys.stderr)
+        return CostModel()
     return model
 
 
@@ -116,7 +119,8 @@ def cli(args: argparse.Namespace) -> int:
     searcher = Searcher(data, cluster, source, log=lambda s: print(s, file=sys.stderr))
     if searcher.cfg.algorithm not in RL_ALGORITHMS:
         raise ConfigError(f"{source}: algorithm: the planner plans RL runs (ppo, grpo)")
-    model = _load_model(args.cost_model, cluster.label)
+    explicit = args.cost_model != DEFAULT_COST_MODEL
+    model = _load_model(args.cost_model, cluster.label, explicit)
     layouts = list(candidates.layouts(searcher.cfg, count, is_cpu))
     print(f"planning {source} on {cluster.label}: {len(layouts)} layouts", file=sys.stderr)
     how = search(
@@ -132,7 +136,7 @@ def cli(args: argparse.Namespace) -> int:
     plans, rejected = searcher.ranked(model)
     if args.calibrate and plans:
         model = _calibrate(searcher, plans[: args.calibrate_plans], args)
-        path = args.cost_model or "plan_cost_model.json"
+        path = args.cost_model
         with open(path, "w", encoding="utf-8") as f:
             f.write(model.to_json())
         print(f"cost model written to {path}", file=sys.stderr)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxrlhf.config import from_dict, merge_configs
+from jaxrlhf.config import RunConfig, from_dict, merge_configs
 from jaxrlhf.plan import candidates
 from jaxrlhf.plan.estimate import (
     USABLE_MEMORY,
@@ -57,8 +57,15 @@ class Searcher:
         self._by_layout: dict[str, tuple[float, Evaluated | None]] = {}
         self._exact: dict[str, Evaluated] = {}
 
-    def config(self, overlay: dict[str, Any]):
-        return from_dict(merge_configs(self.base, overlay), source=self.source)
+    def config(self, overlay: dict[str, Any]) -> RunConfig:
+        """The run with ``overlay`` applied, on the cluster's devices: a colocated run's
+        training mesh ("all devices") covers the first ``cluster.count`` of this process's
+        (which may have more: a test, a notebook)."""
+        cfg = from_dict(merge_configs(self.base, overlay), source=self.source)
+        p = cfg.placement
+        if p.strategy == "colocated" and p.train_devices == -1 and p.generate_mesh is None:
+            cfg = cfg.replace(placement=dataclasses.replace(p, train_devices=self.cluster.count))
+        return cfg
 
     def layout(self, overlay: dict[str, Any], model: CostModel) -> float:
         """Compiles ``overlay``'s layout (memory variants until one fits) and records it with

@@ -18,7 +18,7 @@ from jaxrlhf.plan.planner import read_run
 RUN = {
     "algorithm": "grpo",
     "model": {"preset": "tiny", "num_layers": 4},
-    "data": {"max_length": 24, "max_prompt_length": 8},
+    "data": {"max_length": 32, "max_prompt_length": 16, "eval_size": 0},
     "grpo": {
         "rollout": {"prompts_per_step": 4, "num_samples": 2, "max_new_tokens": 16},
         "reward": {"function": "builtin"},
@@ -143,3 +143,32 @@ def test_supervised_runs_are_refused(tmp_path, capsys):
     path.write_text(yaml.safe_dump({"algorithm": "sft", "model": {"preset": "tiny"}}))
     assert plan_cli.main(["--config", str(path), "--cluster", "cpu-2"]) == 2
     assert "the planner plans RL runs" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_fits_saves_and_reuses_the_cost_model(run_yaml, tmp_path, capsys):
+    """--calibrate on one CPU device: runs the best plan for 4 iterations, fits the model,
+    writes it (tied to its cluster) and re-ranks; a later run reads it; another cluster
+    refuses it in one line."""
+    import json
+
+    model = tmp_path / "model.json"
+    argv = ["--config", run_yaml, "--cluster", "cpu-1", "--cost-model", str(model)]
+    assert (
+        plan_cli.main([*argv, "--calibrate", "--calibrate-plans", "1", "--calibrate-steps", "4"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    saved = json.loads(model.read_text())
+    assert saved["cluster"] == "1 x cpu"
+    assert all(saved["efficiency"][p] > 0 for p in ("generate", "score", "train"))
+    assert "cost model calibrated on" in out
+    assert plan_cli.main(argv) == 0
+    assert "cost model calibrated on" in capsys.readouterr().out
+    other = ["--config", run_yaml, "--cluster", "cpu-2", "--cost-model", str(model)]
+    assert plan_cli.main(other) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"error: --cost-model {model}: calibrated on 1 x cpu, not 2 x cpu (calibrate "
+        "there, or plan without it)"
+    )
