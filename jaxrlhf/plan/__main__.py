@@ -12,6 +12,10 @@ import logging
 import os
 import sys
 
+# XLA warns about every inefficient resharding of every layout it compiles (dozens); the
+# cost model counts their collectives, so the planner keeps its output readable. XLA reads
+# the level when its library loads: before anything here imports jax.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def _parser() -> argparse.ArgumentParser:
     from jaxrlhf.plan.calibration import DEFAULT_COST_MODEL
@@ -49,9 +53,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # XLA warns about every inefficient resharding of every layout it compiles (dozens);
-    # the cost model counts their collectives, so the planner keeps its output readable.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from jaxrlhf.config import ConfigError
     from jaxrlhf.plan import planner
