@@ -13,7 +13,7 @@ the devices) and returns what the run derives (:class:`RunLayout`).
 
 YAML layout (every section optional except ``algorithm``)::
 
-    algorithm: sft              # sft | reward_model | dpo | ppo | grpo
+    algorithm: sft              # sft | reward_model | dpo | ilql | ppo | grpo
     output_dir: runs/tiny_sft   # default: runs/<config file name>
     model: {preset: tiny, hidden_size: 64}   # or {hf_dir: PATH, dtype: bfloat16}
     tokenizer: {path: builtin}
@@ -25,7 +25,7 @@ YAML layout (every section optional except ``algorithm``)::
     logging: {progress: auto}
     checkpoint: {export_hf: true}
     lora: {rank: 8, alpha: 16, targets: [q, k, v, o]}   # default null: full fine-tuning
-    sft: {...}  reward_model: {...}  dpo: {...}  ppo: {...}  grpo: {...}   # its options
+    sft: {...}  reward_model: {...}  dpo: {...}  ilql: {...}  ppo: {...}  grpo: {...}
 
 Several files merge in order (:func:`read_configs`, ``--config RUN.yaml --config PLAN.yaml``):
 sections merge key by key, a later scalar, list or null replaces the earlier value. Overrides
@@ -58,6 +58,7 @@ from jaxrlhf.sharding.placement import PlacementConfig, generate_shards, train_d
 from jaxrlhf.train.config import (
     CheckpointConfig,
     DPOConfig,
+    ILQLConfig,
     LoggingConfig,
     LoraConfig,
     OptimizerConfig,
@@ -72,7 +73,7 @@ if TYPE_CHECKING:  # models/ is loaded only when a model config is resolved
 
 logger = logging.getLogger(__name__)
 
-ALGORITHMS = ("sft", "reward_model", "dpo", "ppo", "grpo")
+ALGORITHMS = ("sft", "reward_model", "dpo", "ilql", "ppo", "grpo")
 RL_ALGORITHMS = ("ppo", "grpo")
 COMMAND_LINE = "command line"
 PRESETS = (
@@ -167,6 +168,7 @@ class RunConfig:
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    ilql: ILQLConfig = dataclasses.field(default_factory=ILQLConfig)
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
 
@@ -632,6 +634,28 @@ def _check_hydra(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
         ctx.fail("ppo.value.branch_layer", "a Hydra critic needs a dense model, not experts")
 
 
+def _check_ilql(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
+    """ILQL trains the whole model (its heads read the final hidden states); its evaluation
+    generates after prompts of ``data.max_prompt_length`` tokens."""
+    if cfg.algorithm != "ilql":
+        return
+    if cfg.lora is not None:
+        ctx.fail("lora", "ILQL trains the whole model; LoRA is not supported with it")
+    if cfg.ilql.eval_reward == "builtin" and not cfg.data.train.startswith(BUILTIN_PREFIX):
+        ctx.fail(
+            "ilql.eval_reward",
+            f"'builtin' needs a built-in dataset (data.train: builtin:TASK), got "
+            f"{cfg.data.train!r}",
+        )
+    total = cfg.data.max_prompt_length + cfg.ilql.max_new_tokens
+    if cfg.ilql.eval_reward is not None and total > model_cfg.max_position_embeddings:
+        ctx.fail(
+            "ilql.max_new_tokens",
+            f"data.max_prompt_length + ilql.max_new_tokens = {total} exceeds the model's "
+            f"{model_cfg.max_position_embeddings} positions",
+        )
+
+
 def _check_data(cfg: RunConfig, ctx: _Context) -> None:
     for field in ("train", "eval"):
         src = getattr(cfg.data, field)
@@ -834,6 +858,7 @@ def validate(
     model_cfg = _check_model(cfg, ctx)
     _check_lora(cfg, model_cfg, ctx)
     _check_hydra(cfg, model_cfg, ctx)
+    _check_ilql(cfg, model_cfg, ctx)
     _check_data(cfg, ctx)
     given = None if mesh is None else tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
     devices, train = _device_counts(cfg, devices, None if given is None else mesh.size, ctx)

@@ -66,6 +66,8 @@ class DataConfig:
         conversation (TRL's ``messages`` format): for sft its last turn, an assistant's, is
         the response and the turns before it the prompt; for prompt data a final assistant
         turn is left out.
+      reward_key: the field holding an offline record's reward (``algorithm: ilql``): a
+        finite number scoring its response.
       max_length: tokens per training sequence (prompt + response); batches are padded to it.
       max_prompt_length: tokens per prompt.
       truncation: what happens to a record longer than ``max_prompt_length`` /
@@ -97,6 +99,7 @@ class DataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     messages_key: str = "messages"
+    reward_key: str = "reward"
     max_length: int = 512
     max_prompt_length: int = 256
     truncation: str = "drop"

@@ -7,6 +7,8 @@ Batch layouts (numpy, padded to a fixed length so each jitted step compiles once
 * Preference: the same keys with a pair axis, ``[B, 2, T]``: index 0 is the chosen
   sequence, 1 the rejected one. Stacking (rather than two batches) keeps each pair on the
   same device when the batch axis is sharded, so ``reshape(2B, T)`` in the step is free.
+* Offline (ILQL): the SFT keys plus ``reward [B]`` float32, each record's reward (0 on
+  padding rows).
 * Prompt (generation): ``tokens [B, P]`` left-padded, so every prompt ends at the same
   column and generation appends after it; ``mask [B, P]``; ``index [B]`` int32, each row's
   record in ``TokenizedDataset.records`` (-1 for padding), where a reward function finds the
@@ -35,7 +37,7 @@ from jaxrlhf.data.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]
-KINDS = ("sft", "preference", "prompt")
+KINDS = ("sft", "preference", "prompt", "offline")
 
 
 @dataclasses.dataclass
@@ -52,6 +54,9 @@ class TokenizedDataset:
 
     @classmethod
     def from_encoded(cls, encoded: Encoded, pad_id: int) -> TokenizedDataset:
+        extras = {}
+        if encoded.kind == "offline":
+            extras["reward"] = np.asarray(encoded.rewards, np.float32)
         return cls(
             encoded.kind,
             encoded.prompts,
@@ -59,6 +64,7 @@ class TokenizedDataset:
             encoded.records,
             encoded.report,
             pad_id,
+            extras,
         )
 
     def __len__(self) -> int:
@@ -92,7 +98,7 @@ class TokenizedDataset:
         return out
 
     def _train_batch(self, indices: np.ndarray, length: int) -> Batch:
-        n_seq = 1 if self.kind == "sft" else 2
+        n_seq = 2 if self.kind == "preference" else 1
         shape = (len(indices), n_seq, length)
         tokens = np.full(shape, self.pad_id, np.int32)
         mask = np.zeros(shape, bool)
@@ -114,8 +120,10 @@ class TokenizedDataset:
             "prompt_mask": mask & ~response_mask,
             "response_mask": response_mask,
         }
-        if self.kind == "sft":
+        if n_seq == 1:
             out = {k: v[:, 0] for k, v in out.items()}
+        if self.kind == "offline":  # the values: extras["reward"], gathered by batch()
+            out["reward"] = np.zeros(len(indices), np.float32)
         return out
 
     def _prompt_batch(self, indices: np.ndarray, length: int) -> Batch:
@@ -267,7 +275,7 @@ def load_datasets(
     """The training and held-out datasets of ``kind`` described by ``cfg``.
 
     Args:
-      kind: ``"sft"``, ``"preference"`` or ``"prompt"``.
+      kind: ``"sft"``, ``"preference"``, ``"prompt"`` or ``"offline"``.
       cfg: the data config.
       tokenizer, tokenizer_cfg: the tokenizer and its template settings.
 

@@ -88,6 +88,22 @@ def _field(record: dict[str, Any], key: str) -> str | Messages:
     raise BadRecord(f"field {key!r} is neither text nor chat messages")
 
 
+def record_reward(record: dict[str, Any], key: str) -> float:
+    """The finite number in an offline ``record[key]``.
+
+    Raises:
+      BadRecord: missing, not a number, or not finite.
+    """
+    value = record.get(key)
+    if value is None:
+        raise BadRecord(f"missing field {key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise BadRecord(f"field {key!r} is not a number")
+    if not np.isfinite(value):
+        raise BadRecord(f"field {key!r} is not finite")
+    return float(value)
+
+
 def _ends_with_assistant(messages: Messages) -> bool:
     return messages[-1]["role"] == "assistant"
 
@@ -117,12 +133,12 @@ def _conversation(record: dict[str, Any], kind: str, cfg: DataConfig) -> tuple[A
     if isinstance(messages, str):
         raise BadRecord(f"field {cfg.messages_key!r} is text, not chat messages")
     ends = _ends_with_assistant(messages)
-    if kind == "sft" and not ends:
+    if kind in ("sft", "offline") and not ends:
         raise BadRecord(f"field {cfg.messages_key!r} does not end with an assistant turn")
     prompt = messages[:-1] if ends else messages
     if not prompt:
         raise BadRecord(f"field {cfg.messages_key!r} has no turn before the assistant's")
-    return prompt, [messages[-1:]] if kind == "sft" else []
+    return prompt, [messages[-1:]] if kind in ("sft", "offline") else []
 
 
 def _messages(value: str | Messages, role: str) -> Messages:
@@ -196,14 +212,15 @@ def _check_plain(
 
 @dataclasses.dataclass
 class Encoded:
-    """Token ids of one source. ``responses[i]`` has 1 (SFT), 2 (chosen, rejected) or 0
-    (prompt-only) entries."""
+    """Token ids of one source. ``responses[i]`` has 1 (SFT, offline), 2 (chosen, rejected)
+    or 0 (prompt-only) entries; ``rewards`` one per kept offline record (empty otherwise)."""
 
     kind: str
     prompts: list[Ids]
     responses: list[tuple[Ids, ...]]
     records: list[dict[str, Any]]
     report: DataReport
+    rewards: list[float] = dataclasses.field(default_factory=list)
 
 
 def encode_records(
@@ -213,13 +230,15 @@ def encode_records(
     cfg: DataConfig,
     source: str,
 ) -> Encoded:
-    """Encodes records of ``kind`` (``"sft"``, ``"preference"`` or ``"prompt"``).
+    """Encodes records of ``kind`` (``"sft"``, ``"preference"``, ``"prompt"`` or
+    ``"offline"``: an SFT record with a finite ``reward_key`` number).
 
     Each kept record's prompt fits ``max_prompt_length`` and each prompt + response fits
     ``max_length`` (after truncation when ``cfg.truncation == "truncate"``).
     """
     keys = {
         "sft": (cfg.response_key,),
+        "offline": (cfg.response_key,),
         "preference": (cfg.chosen_key, cfg.rejected_key),
         "prompt": (),
     }[kind]
@@ -243,6 +262,7 @@ def encode_records(
             ]
             if any(not r for r in response_ids):
                 raise BadRecord("empty response after tokenization")
+            reward = record_reward(record, cfg.reward_key) if kind == "offline" else None
             if kind == "preference" and response_ids[0] == response_ids[1]:
                 raise BadRecord("chosen and rejected are the same tokens")
         except BadRecord as e:
@@ -251,4 +271,6 @@ def encode_records(
         out.prompts.append(np.asarray(prompt_ids, np.int32))
         out.responses.append(tuple(np.asarray(r, np.int32) for r in response_ids))
         out.records.append(record)
+        if reward is not None:
+            out.rewards.append(reward)
     return out

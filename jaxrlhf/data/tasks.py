@@ -9,7 +9,9 @@ yields records of the kind the trainer needs:
   (:func:`grade`) and the higher one is chosen, so the pairs range from easy (right vs.
   garbled) to subtle (one swap vs. two);
 * prompt: ``{"prompt", "answer"}`` for RL; the ``answer`` column reaches reward functions
-  as a keyword argument (``jaxrlhf.rewards``).
+  as a keyword argument (``jaxrlhf.rewards``);
+* offline (ILQL): ``{"prompt", "response", "reward", "answer"}``, one behaviour sample per
+  prompt: the correct answer (40%) or a perturbation of it, rewarded with its grade.
 
 Problems are small enough for a 2-layer, width-64 model to learn in a few hundred steps on
 a CPU: ``sort`` asks for 3-6 digits in ascending order (``"sort 31415:"`` -> ``"11345"``),
@@ -116,7 +118,7 @@ def add_reward(prompt: str, completion: str) -> float:
 
 
 BUILTIN_TASKS = ("sort", "add", "calc")
-RECORD_KINDS = ("sft", "preference", "prompt")
+RECORD_KINDS = ("sft", "preference", "prompt", "offline")
 
 
 def make_problem(task: str, rng: np.random.Generator) -> tuple[str, str]:
@@ -179,7 +181,7 @@ def builtin_records(
 
     Args:
       task: one of ``BUILTIN_TASKS``.
-      kind: ``"sft"``, ``"preference"`` or ``"prompt"``.
+      kind: ``"sft"``, ``"preference"``, ``"prompt"`` or ``"offline"``.
       n: number of records.
       seed: generator seed (same seed, same records).
       exclude_prompts: prompts never to generate (e.g. the held-out set's).
@@ -209,6 +211,12 @@ def builtin_records(
             records.append({"prompt": prompt, "response": answer})
         elif kind == "prompt":
             records.append({"prompt": prompt, "answer": answer})
+        elif kind == "offline":
+            response = _candidate(answer, rng)
+            reward = grade(task, answer, response)
+            records.append(
+                {"prompt": prompt, "response": response, "reward": reward, "answer": answer}
+            )
         else:
             a, b = _candidate(answer, rng), _candidate(answer, rng)
             ra, rb = grade(task, answer, a), grade(task, answer, b)

@@ -20,10 +20,14 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrlhf.models import moe
 from jaxrlhf.models.attention import causal_mask, layer_masks, positions_from_mask
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.ilql import ILQLModel
 from jaxrlhf.models.lora import LoraParams, LoraSpec, split_params
 from jaxrlhf.models.packing import PackedSequences
 from jaxrlhf.models.shared_prefix import PackedGroups
 from jaxrlhf.models.transformer import HEADS, Constrain, KVCache, no_constraint
+
+# Every model the trainers build, by head: the transformer's and ILQL's (LM + value + Q heads).
+MODELS: dict[str, Any] = {**HEADS, "ilql": ILQLModel}
 
 # A nested dict of arrays ({"decoder": ..., "lm_head" | "score": ...}), or for a LoRA model a
 # models.lora.LoraParams (frozen base and trainable adapters).
@@ -36,10 +40,11 @@ def build(
     constrain: Constrain = no_constraint,
     lora: LoraSpec | None = None,
 ) -> nn.Module:
-    """The Linen module for ``head`` in {"lm", "scalar"}, with LoRA adapters when ``lora``."""
-    if head not in HEADS:
-        raise ValueError(f"model head {head!r} is not one of {sorted(HEADS)}")
-    return HEADS[head](cfg, constrain, lora)
+    """The Linen module for ``head`` in {"lm", "scalar", "ilql"}, with LoRA adapters when
+    ``lora``."""
+    if head not in MODELS:
+        raise ValueError(f"model head {head!r} is not one of {sorted(MODELS)}")
+    return MODELS[head](cfg, constrain, lora)
 
 
 def _init_fn(module: nn.Module, key: jax.Array) -> Any:

@@ -79,7 +79,9 @@ class KVCache:
         return (axes.LAYERS, axes.CACHE_BATCH, axes.CACHE_LENGTH, axes.CACHE_HEADS, None)
 
 
-def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, init) -> jax.Array:
+def param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, init) -> jax.Array:
+    """``module``'s parameter ``name`` stored in the weight dtype with logical axis
+    ``names``, returned in the compute dtype."""
     cfg: ModelConfig = module.cfg
     return module.param(
         name, nn.with_logical_partitioning(init, names), shape, cfg.weight_dtype
@@ -99,7 +101,8 @@ def dense(x: Float[Array, "*B K"], kernel: Float[Array, "K N"]) -> Float[Array, 
     return out.reshape(*x.shape[:-1], kernel.shape[-1])
 
 
-def _dense_init(cfg: ModelConfig):
+def dense_init(cfg: ModelConfig):
+    """The kernels' initializer: normal with the model's ``initializer_range``."""
     return nn.initializers.normal(stddev=cfg.initializer_range)
 
 
@@ -189,11 +192,11 @@ class Attention(nn.Module):
         """``inv_freq``: [R/2] RoPE inverse frequencies of this layer (None: no RoPE)."""
         cfg = self.cfg
         d, n, k_heads, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-        init = _dense_init(cfg)
+        init = dense_init(cfg)
         zeros = nn.initializers.zeros
 
         def project(name: str, heads: int, head_axis: str) -> jax.Array:
-            kernel = _param(
+            kernel = param(
                 self, f"{name}_kernel", (d, heads, h), (axes.EMBED, head_axis, axes.HEAD_DIM), init
             )
             out = dense(x, kernel.reshape(d, heads * h)).reshape(*x.shape[:-1], heads, h)
@@ -209,7 +212,7 @@ class Attention(nn.Module):
                     (head_axis, axes.HEAD_DIM),
                 )
             if cfg.qkv_bias:
-                out = out + _param(
+                out = out + param(
                     self, f"{name}_bias", (heads, h), (head_axis, axes.HEAD_DIM), zeros
                 )
             return self.constrain(out, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
@@ -240,16 +243,14 @@ class Attention(nn.Module):
             out = dot_product_attention(
                 q, k, v, mask, scale=scale, impl=cfg.attention_impl, logit_cap=cap
             )
-        o_kernel = _param(
-            self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init
-        )
+        o_kernel = param(self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init)
         attn = out
         out = dense(out.reshape(*out.shape[:-2], n * h), o_kernel.reshape(n * h, d))
         if self.adapts("o"):
             names = (axes.HEADS, axes.HEAD_DIM)
             out = out + lora_delta(self, self.lora, "o", attn, (n, h), (d,), names, (axes.EMBED,))
         if cfg.out_bias:
-            out = out + _param(self, "o_bias", (d,), (axes.EMBED,), zeros)
+            out = out + param(self, "o_bias", (d,), (axes.EMBED,), zeros)
         return out, new_cache
 
     def adapts(self, name: str) -> bool:
@@ -276,27 +277,27 @@ class Mlp(nn.Module):
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         cfg = self.cfg
         d, f = cfg.hidden_size, cfg.intermediate_size
-        init, zeros = _dense_init(cfg), nn.initializers.zeros
+        init, zeros = dense_init(cfg), nn.initializers.zeros
         act = ACTIVATIONS[cfg.activation]
         act_names = (axes.BATCH, axes.LENGTH, axes.ACT_MLP)
 
-        up_kernel = _param(self, "up_kernel", (d, f), (axes.EMBED, axes.MLP), init)
+        up_kernel = param(self, "up_kernel", (d, f), (axes.EMBED, axes.MLP), init)
         up = self.project("up", x, up_kernel, axes.EMBED, axes.MLP)
         if cfg.mlp_bias:
-            up = up + _param(self, "up_bias", (f,), (axes.MLP,), zeros)
+            up = up + param(self, "up_bias", (f,), (axes.MLP,), zeros)
         if cfg.gated_mlp:
-            gate_kernel = _param(self, "gate_kernel", (d, f), (axes.EMBED, axes.MLP), init)
+            gate_kernel = param(self, "gate_kernel", (d, f), (axes.EMBED, axes.MLP), init)
             gate = self.project("gate", x, gate_kernel, axes.EMBED, axes.MLP)
             if cfg.mlp_bias:
-                gate = gate + _param(self, "gate_bias", (f,), (axes.MLP,), zeros)
+                gate = gate + param(self, "gate_bias", (f,), (axes.MLP,), zeros)
             hidden = act(gate) * up
         else:
             hidden = act(up)
         hidden = self.constrain(hidden, act_names)
-        down_kernel = _param(self, "down_kernel", (f, d), (axes.MLP, axes.EMBED), init)
+        down_kernel = param(self, "down_kernel", (f, d), (axes.MLP, axes.EMBED), init)
         out = self.project("down", hidden, down_kernel, axes.MLP, axes.EMBED)
         if cfg.mlp_bias:
-            out = out + _param(self, "down_bias", (d,), (axes.EMBED,), zeros)
+            out = out + param(self, "down_bias", (d,), (axes.EMBED,), zeros)
         return out
 
 
@@ -314,12 +315,12 @@ class MoeMlp(nn.Module):
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         cfg = self.cfg
         d, f, e = cfg.hidden_size, cfg.expert_size, cfg.num_experts
-        init = _dense_init(cfg)
-        router = _param(self, "router_kernel", (d, e), (axes.EMBED, None), init)
+        init = dense_init(cfg)
+        router = param(self, "router_kernel", (d, e), (axes.EMBED, None), init)
         names = (axes.EXPERT, axes.EMBED, axes.MLP)
-        gate = _param(self, "gate_kernel", (e, d, f), names, init)
-        up = _param(self, "up_kernel", (e, d, f), names, init)
-        down = _param(self, "down_kernel", (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED), init)
+        gate = param(self, "gate_kernel", (e, d, f), names, init)
+        up = param(self, "up_kernel", (e, d, f), names, init)
+        down = param(self, "down_kernel", (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED), init)
         logits = dense(x, router).astype(jnp.float32)  # [B, T, E]
         self.sow("intermediates", "router_logits", logits)
         weights, experts = moe.route(
@@ -521,19 +522,27 @@ class CausalLM(nn.Module):
         decoder = Decoder(cfg, self.constrain, self.lora, name="decoder")
         hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
         hidden = hidden[:, head_from:] if select is None else select(hidden)
-        if cfg.tie_embeddings:
-            logits = decoder.attend(hidden)
-        else:
-            kernel = _param(
-                self,
-                "lm_head",
-                (cfg.hidden_size, cfg.vocab_size),
-                (axes.EMBED, axes.VOCAB),
-                _dense_init(cfg),
-            )
-            logits = dense(hidden, kernel)
-        logits = self.constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
-        return softcap(logits.astype(jnp.float32), cfg.final_logit_softcap), new_cache
+        return lm_logits(self, decoder, hidden), new_cache
+
+
+def lm_logits(module: nn.Module, decoder: Decoder, hidden: Float[Array, "B T D"]) -> jax.Array:
+    """The language-model head of ``module`` (a compact Linen module with ``cfg`` and
+    ``constrain``) on ``hidden``: float32 logits ``[B, T, V]``, tied to ``decoder``'s
+    embedding or from ``module``'s own ``lm_head`` param, soft-capped as the model says."""
+    cfg = module.cfg
+    if cfg.tie_embeddings:
+        logits = decoder.attend(hidden)
+    else:
+        kernel = param(
+            module,
+            "lm_head",
+            (cfg.hidden_size, cfg.vocab_size),
+            (axes.EMBED, axes.VOCAB),
+            dense_init(cfg),
+        )
+        logits = dense(hidden, kernel)
+    logits = module.constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
+    return softcap(logits.astype(jnp.float32), cfg.final_logit_softcap)
 
 
 class ScalarModel(nn.Module):
@@ -557,8 +566,8 @@ class ScalarModel(nn.Module):
             tokens, positions, mask, cache, cache_index
         )
         hidden = hidden[:, head_from:] if select is None else select(hidden)
-        kernel = _param(
-            self, "score", (cfg.hidden_size, 1), (axes.EMBED, axes.SCALAR), _dense_init(cfg)
+        kernel = param(
+            self, "score", (cfg.hidden_size, 1), (axes.EMBED, axes.SCALAR), dense_init(cfg)
         )
         values = dense(hidden, kernel)[..., 0]
         return values.astype(jnp.float32), new_cache

@@ -17,6 +17,7 @@ import sys
 # the level when its library loads: before anything here imports jax.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
 def _parser() -> argparse.ArgumentParser:
     from jaxrlhf.plan.calibration import DEFAULT_COST_MODEL
 

@@ -231,6 +231,61 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ILQLConfig:
+    """Implicit language Q-learning (``algorithm: ilql``) on offline ``(prompt, response,
+    reward)`` records; the defaults are trlX's ``default_ilql_config``.
+
+    Attributes:
+    gamma: discount of the Q target ``r_t + gamma V(s_{t+1})``.
+    tau: expectile of the value loss (> 0.5 pushes V towards the best actions' Q).
+    cql_scale: weight of the conservative (CQL) term.
+    awac_scale: weight of the advantage-weighted behaviour cloning term.
+    awac_beta: its advantage temperature (0: plain behaviour cloning, as trlX).
+    alpha: Polyak rate of the target Q heads: ``target <- alpha q + (1 - alpha) target``.
+    target_sync_every: updates between Polyak steps of the target heads.
+    decode_beta: advantage weight of ILQL's decoding, ``log pi + decode_beta (Q - V)``
+      (0: sample the behaviour-cloned model).
+    top_k: tokens kept at each decoding step (0: all).
+    temperature: of the decoding's softmax (0: argmax).
+    max_new_tokens: tokens the evaluation generates per held-out prompt.
+    eval_reward: scores the evaluation's samples: a reward function (``builtin`` for a
+      ``builtin:`` task, or ``module.function``, as ``ppo.reward.function``); with it every
+      evaluation also generates from the held-out prompts and logs ``eval/reward`` beside
+      the held-out records' own mean ``eval/behaviour_reward``. None: losses only.
+    """
+
+    gamma: float = 0.99
+    tau: float = 0.7
+    cql_scale: float = 0.1
+    awac_scale: float = 1.0
+    awac_beta: float = 0.0
+    alpha: float = 0.001
+    target_sync_every: int = 5
+    decode_beta: float = 1.0
+    top_k: int = 20
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+    eval_reward: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma: must be in [0, 1], got {self.gamma}")
+        if not 0.0 < self.tau < 1.0:
+            raise ValueError(f"tau: must be in (0, 1), got {self.tau}")
+        for name in ("cql_scale", "awac_scale", "awac_beta", "decode_beta", "temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha: must be in (0, 1], got {self.alpha}")
+        if self.target_sync_every < 1:
+            raise ValueError(f"target_sync_every: must be >= 1, got {self.target_sync_every}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardModelConfig:
     """Attributes:
     center_coef: weight of ``mean((r_c + r_r)^2)``, which keeps rewards centred on 0

@@ -39,16 +39,25 @@ def state_shardings(
     param_shardings: Any,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
+    trainable: Any = None,
 ) -> TrainState:
     """Shardings of the whole state: optimizer moments follow their params (FSDP shards
-    them too), counters and other non-param leaves are replicated."""
+    them too), counters and other non-param leaves are replicated. ``trainable``: the bool
+    tree of an ``optax.masked`` optimizer's mask (its state holds no moments elsewhere)."""
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    moment_shardings = param_shardings
+    if trainable is not None:
+        moment_shardings = jax.tree.map(
+            lambda sharding, train: sharding if train else optax.MaskedNode(),
+            param_shardings,
+            trainable,
+        )
     opt_shardings = optax.tree_map_params(
         optimizer,
         lambda _, sharding: sharding,
         abstract_opt,
-        param_shardings,
+        moment_shardings,
         transform_non_params=lambda _: replicated,
     )
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)

@@ -78,10 +78,10 @@ class Objective:
     """What a trainer optimises and what it needs.
 
     Attributes:
-      name: the algorithm (``"sft"``, ``"reward_model"``, ``"dpo"``).
+      name: the algorithm (``"sft"``, ``"reward_model"``, ``"dpo"``, ``"ilql"``).
       role: sharding role of the trained model (``"policy"`` or ``"reward"``).
-      head: model head, ``"lm"`` or ``"scalar"``.
-      data_kind: dataset kind, ``"sft"`` or ``"preference"``.
+      head: model head, ``"lm"``, ``"scalar"`` or ``"ilql"``.
+      data_kind: dataset kind, ``"sft"``, ``"preference"`` or ``"offline"``.
       loss_fn: mean loss and metrics (flat dict, namespaced keys) of a micro-batch.
       weight_fn: number of units the micro-batch's mean is over (0 for padding rows).
       primary: the main metric, shown in progress lines and plots.
@@ -89,6 +89,12 @@ class Objective:
       reference: a reference model, for losses that need one.
       row_group: rows that must stay together in a micro-batch (RL's packed prompt groups,
         chosen with the forward when the objective is built); 1 for independent rows.
+      trainable: ``params -> bool tree``, the leaves the optimizer updates (the others keep
+        their values and get no optimizer state); None: every leaf.
+      after_update: ``(params, step) -> params`` applied after each optimizer update
+        (``step``: updates before it), e.g. ILQL's Polyak-averaged target heads; None: none.
+      export_lm: ``params -> params`` of the causal LM exported as ``*ForCausalLM`` (ILQL
+        drops its heads); None: the params are exported with ``head``.
     """
 
     name: str
@@ -101,6 +107,9 @@ class Objective:
     summary: tuple[str, ...]
     reference: Reference | None = None
     row_group: int = 1
+    trainable: Callable[[Any], Any] | None = None
+    after_update: Callable[[Any, jax.Array], Any] | None = None
+    export_lm: Callable[[Any], Any] | None = None
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
@@ -248,6 +257,8 @@ def train_step(
     opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
     finite = finite & jnp.isfinite(optax.tree.norm(updates))  # e.g. a bad lr or epsilon
     params = optax.apply_updates(state.params, updates)
+    if learner.objective.after_update is not None:
+        params = learner.objective.after_update(params, state.step)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     # A non-finite loss or gradient leaves params, optimizer moments and the step
     # counter exactly as they were; the host counts the skips.

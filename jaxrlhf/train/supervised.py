@@ -1,4 +1,5 @@
-"""The supervised trainers (``algorithm: sft | reward_model | dpo``): their jitted programs
+"""The supervised and offline trainers (``algorithm: sft | reward_model | dpo | ilql``): their
+jitted programs
 and the trainer that runs them.
 
 :class:`SupervisedPrograms` is built from the config, the mesh and abstract shapes only (the
@@ -17,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,7 +41,7 @@ from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import put_global
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
 from jaxrlhf.sharding.placement import given_mesh, train_mesh
-from jaxrlhf.train import dpo, reward_model, sft, steps
+from jaxrlhf.train import dpo, ilql, reward_model, sft, steps
 from jaxrlhf.train.adapters import (
     LoraLayout,
     export_lora,
@@ -60,6 +62,7 @@ OBJECTIVES: dict[str, Callable[[Any], steps.Objective]] = {
     "sft": sft.objective,
     "reward_model": reward_model.objective,
     "dpo": dpo.objective,
+    "ilql": ilql.objective,
 }
 
 
@@ -149,6 +152,8 @@ def build_supervised_programs(
     spec = lora_spec(cfg)
     module = build_sharded(model, mesh, rules, objective.head, spec)
     optimizer, lr_fn = make_optimizer(cfg.optimizer, cfg.train.steps)
+    if objective.trainable is not None:
+        optimizer = optax.masked(optimizer, objective.trainable)
     lora = combine = frozen_sh = None
     if spec is None:
         param_sh = param_shardings(model, mesh, rules, objective.head)
@@ -157,7 +162,8 @@ def build_supervised_programs(
         lora = lora_layout(model, mesh, rules, objective.head, spec)
         param_sh, abstract = lora.trainable_shardings, lora.trainable
         frozen_sh, combine = lora.frozen_shardings, combine_fn(spec)
-    state_sh = state_shardings(abstract, param_sh, optimizer, mesh)
+    trainable = None if objective.trainable is None else objective.trainable(abstract)
+    state_sh = state_shardings(abstract, param_sh, optimizer, mesh, trainable)
     learner = steps.Learner(objective, module, optimizer, lr_fn, rules, param_sh, combine)
     batch_sh = {
         k: steps.batch_sharding(mesh, rules, len(shape))
@@ -219,6 +225,8 @@ class SupervisedTrainer:
       ref_params: the frozen reference's parameters (DPO scoring per batch), or None; with
         LoRA and no ``dpo.reference_hf_dir``, the base (the same arrays as ``frozen``).
       frozen: a LoRA model's frozen base (``programs.lora``), else None.
+      sample_eval: ``params -> metrics`` that :meth:`evaluate` adds (ILQL's decoding of the
+        held-out prompts, ``jaxrlhf.train.ilql``), or None.
       steps_done: updates run through :meth:`step`.
     """
 
@@ -233,6 +241,7 @@ class SupervisedTrainer:
     key: jax.Array
     ref_params: Any = None
     frozen: Any = None
+    sample_eval: Callable[[Any], dict[str, float]] | None = None
     steps_done: int = 0
 
     @property
@@ -323,7 +332,10 @@ class SupervisedTrainer:
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
             weight = weight + w
         totals, weight = jax.device_get((totals, weight))
-        return {f"eval/{k}": float(v) / max(float(weight), 1.0) for k, v in totals.items()}
+        out = {f"eval/{k}": float(v) / max(float(weight), 1.0) for k, v in totals.items()}
+        if self.sample_eval is not None:
+            out.update(self.sample_eval(self.model_params))
+        return out
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
         arrays = {"train": self.state, "key": key_data(self.key, self.mesh)}
@@ -338,9 +350,18 @@ class SupervisedTrainer:
     def export(self, hf_dir: str) -> None:
         """The trained model (``*ForCausalLM``, or ``*ForSequenceClassification`` for a reward
         model) with the tokenizer; with LoRA the merged model, and the adapters alone in
-        PEFT's format beside it (``adapters.export_lora``)."""
+        PEFT's format beside it (``adapters.export_lora``); ILQL's language model without
+        its value and Q heads."""
         head = self.objective.head
-        if self.programs.lora is not None:
+        if self.objective.export_lm is not None:
+            save_hf(
+                hf_dir,
+                self.model_cfg,
+                self.objective.export_lm(self.state.params),
+                head="lm",
+                dtype=self.cfg.checkpoint.export_dtype,
+            )
+        elif self.programs.lora is not None:
             spec = self.programs.lora.spec
             export_lora(
                 hf_dir, self.cfg, self.model_cfg, spec, head, self.frozen, self.state.params
@@ -454,6 +475,9 @@ def build_supervised_trainer(
         key=step_key,
         ref_params=ref_params,
         frozen=frozen,
+        sample_eval=ilql.sample_evaluation(cfg, programs.learner.module, eval_data, tokenizer)
+        if cfg.algorithm == "ilql"
+        else None,
     )
     if ref is not None and ref.precompute:
         _precompute_reference(trainer)
