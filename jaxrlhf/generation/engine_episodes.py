@@ -76,6 +76,7 @@ class EpisodeSteps:
         model = np.zeros(tokens.shape, bool)
         seq = np.zeros(tokens.shape, bool)
         counts = np.zeros((4, len(slots)), np.float32)
+        turn_rewards = np.zeros(tokens.shape, np.float32)
         stopped = finished.stopped.copy()
         raw = jax.tree.map(np.copy, finished)
         for i, slot in enumerate(slots):
@@ -84,6 +85,7 @@ class EpisodeSteps:
             tail = episode.tail(length)
             tokens[i, length : length + len(tail)] = tail
             model[i], seq[i] = episode.masks(length)
+            turn_rewards[i] = episode.turn_rewards()
             lengths[i] = length + len(tail)
             stopped[i] = episode.stopped
             counts[:, i] = (
@@ -106,4 +108,5 @@ class EpisodeSteps:
             turns=counts[1].astype(np.int32),
             observations=counts[2].astype(np.int32),
             errors=counts[3].astype(np.int32),
+            turn_rewards=turn_rewards,
         )

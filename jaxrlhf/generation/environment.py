@@ -5,7 +5,9 @@ An episode starts from a dataset record. The model writes a turn; the environmen
 it and answers with a :class:`Step`: an observation to append (the model then writes the
 next turn after it) or the end of the episode. Either may carry a reward; the episode's
 reward is the sum (trajectory-level rewards: return it with the last step; per-turn
-rewards: return them as they come)::
+rewards: return them as they come). Each reward belongs to the turn it answers: PPO pays it
+on that turn's last model token (:meth:`Episode.turn_rewards`), GRPO's advantages read the
+episode's sum::
 
     class Guess:                                   # a class: one instance per episode
         def __init__(self, record):
@@ -199,6 +201,7 @@ class Episode:
         self.turns = 0
         self.observations: list[tuple[int, int]] = []  # [start, end) columns
         self.rewards: list[float] = []
+        self.reward_columns: list[int] = []  # each reward's turn's last model token
         self.info: dict[str, float] = {}
         self.error_ids: list[int] = []  # an error observation after the last turn
         self.errors = 0
@@ -243,6 +246,7 @@ class Episode:
         if not isinstance(result, Step):
             return self._fail(f"step returned {type(result).__name__}, not a Step", self.length)
         self.rewards.append(float(result.reward))
+        self.reward_columns.append(max(self.length - 1, 0))
         for name, value in result.info.items():
             self.info[name] = self.info.get(name, 0.0) + float(value)
         if result.observation is None or turn.last:
@@ -258,7 +262,7 @@ class Episode:
 
     def _fail(self, message: str, length: int) -> None:
         self.errors += 1
-        self.rewards = [0.0]
+        self.rewards, self.reward_columns = [0.0], [max(length - 1, 0)]
         self.ended = True
         self.error_ids = self.encode_observation(f"environment error: {message}")
         return None
@@ -270,6 +274,13 @@ class Episode:
     @property
     def reward(self) -> float:
         return float(sum(self.rewards))
+
+    def turn_rewards(self) -> np.ndarray:
+        """``[width]`` float32: each reward at the column of the last model token of the turn
+        it answered (0 elsewhere); sums to :attr:`reward`."""
+        out = np.zeros(self.width, np.float32)
+        np.add.at(out, np.asarray(self.reward_columns, np.int64), np.float32(self.rewards))
+        return out
 
     def masks(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """``(model_mask, sequence_mask)`` [width] of the finished episode of ``length``

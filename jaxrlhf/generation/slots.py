@@ -359,6 +359,8 @@ class Finished:
         model's alone: the loss mask).
       rewards, turns, observations, errors: [F] multi-turn episodes' summed rewards, model
         turns, observations and environment errors (None without an environment).
+      turn_rewards: [F, W] each episode's rewards at the last model token of the turns they
+        answered (``Episode.turn_rewards``; rows sum to ``rewards``), or None.
     """
 
     rows: np.ndarray
@@ -373,3 +375,4 @@ class Finished:
     turns: np.ndarray | None = None
     observations: np.ndarray | None = None
     errors: np.ndarray | None = None
+    turn_rewards: np.ndarray | None = None

@@ -122,7 +122,7 @@ class Scoring:
         """``rows`` [N, T] with their ``scores`` [N] (shaped) scored under ``kl_coef`` [];
         sequence-packed forwards pack into ``packed_rows`` rows per shard (static)."""
         out = self.forwards(policy_params, ref_params, value_params, rows, packed_rows)
-        return self.advantages(out, rows.response_mask, scores, kl_coef)
+        return self.advantages(out, rows.response_mask, scores, kl_coef, rows.turn_rewards)
 
     def advantages(
         self,
@@ -130,14 +130,17 @@ class Scoring:
         response_mask: jax.Array,
         scores: jax.Array,
         kl_coef: jax.Array,
+        turn_rewards: jax.Array | None = None,
     ) -> Scored:
         """The forwards' ``out`` of the whole rollout completed with the advantages (and
-        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []."""
+        returns, or per-token rewards) from ``scores`` [N] under ``kl_coef`` []; PPO pays
+        ``turn_rewards`` [N, T] (a part of each score) at their tokens, the GRPO family reads
+        the scores alone."""
         algo, resp = self.algo, response_mask
         ref, old = out.ref_logprobs, out.old_logprobs
         if self.has_critic and out.old_values is None:  # the critic's update runs GAE
             rewards, m = rl_steps.ppo_token_rewards(
-                scores, old, ref, resp, kl_coef, loss_cfg=algo.loss
+                scores, old, ref, resp, kl_coef, loss_cfg=algo.loss, turn_rewards=turn_rewards
             )
             return out.replace(token_rewards=rewards, metrics=m)
         if self.has_critic:
@@ -152,6 +155,7 @@ class Scoring:
                 gamma=algo.gamma,
                 lam=algo.lam,
                 whiten=algo.whiten_advantages,
+                turn_rewards=turn_rewards,
             )
             m.update(rl_steps.value_metrics(adv, ret, out.old_values, resp))
             return out.replace(returns=ret, advantages=adv, metrics=m)

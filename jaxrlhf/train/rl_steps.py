@@ -267,15 +267,23 @@ def ppo_token_rewards(
     kl_coef: Float[Array, ""],
     *,
     loss_cfg: PolicyLossConfig,
+    turn_rewards: Float[Array, "N T"] | None = None,
 ) -> tuple[Float[Array, "N T"], Metrics]:
     """Per-token PPO rewards (Ziegler et al. 2019): ``r_t = -beta * kl_t`` on every response
     token (with ``kl_mode: reward``), plus the score on the last one; and the KL metrics.
 
-    ``old_logprobs`` may be None with ``kl_mode: loss`` (:func:`reuses_policy_forward`); the
-    KL metrics then come from the update."""
+    ``turn_rewards`` (multi-turn episodes' per-turn rewards, each at its turn's last model
+    token) are part of the scores: they are paid where they sit and the rest of each score,
+    ``scores - turn_rewards.sum(-1)``, on the last token, so a row's rewards sum to its score
+    (minus the KL) either way. ``old_logprobs`` may be None with ``kl_mode: loss``
+    (:func:`reuses_policy_forward`); the KL metrics then come from the update."""
     kl, metrics = _rollout_kl(old_logprobs, ref_logprobs, response_mask, loss_cfg)
     beta = kl_coef if loss_cfg.kl_mode == "reward" else 0.0
-    return losses.token_rewards(scores, kl, response_mask, kl_coef=beta), metrics
+    if turn_rewards is None:
+        return losses.token_rewards(scores, kl, response_mask, kl_coef=beta), metrics
+    paid = jnp.where(response_mask, turn_rewards, 0.0)
+    rest = scores - paid.sum(axis=-1)
+    return losses.token_rewards(rest, kl, response_mask, kl_coef=beta) + paid, metrics
 
 
 def gae_and_whiten(
@@ -309,14 +317,21 @@ def ppo_advantages(
     gamma: float,
     lam: float,
     whiten: bool,
+    turn_rewards: Float[Array, "N T"] | None = None,
 ) -> tuple[Float[Array, "N T"], Float[Array, "N T"], Metrics]:
     """GAE advantages and returns from :func:`ppo_token_rewards`.
 
     Returns ``(advantages, returns, metrics)``; ``metrics["kl/seq_mean"]`` is the mean over
     rows of the summed per-token KL (what the adaptive controller tracks). ``old_logprobs``
-    may be None with ``kl_mode: loss``, as there."""
+    may be None with ``kl_mode: loss``, and ``turn_rewards`` as there."""
     rewards, metrics = ppo_token_rewards(
-        scores, old_logprobs, ref_logprobs, response_mask, kl_coef, loss_cfg=loss_cfg
+        scores,
+        old_logprobs,
+        ref_logprobs,
+        response_mask,
+        kl_coef,
+        loss_cfg=loss_cfg,
+        turn_rewards=turn_rewards,
     )
     advantages, returns = gae_and_whiten(
         rewards, values, response_mask, gamma=gamma, lam=lam, whiten=whiten

@@ -54,6 +54,7 @@ from jaxrlhf.rewards import (
     overlong_penalty,
     resolve_reward_fn,
     shape_scores,
+    shape_turn_rewards,
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
@@ -374,6 +375,9 @@ class RLTrainer:
             values = [info.get(name, 0.0) for info in out.episode_info.values()]
             timings[f"env/{name}_mean"] = float(np.mean(values))
         zeros = np.zeros(p_mask.shape, np.float32)
+        turn_rewards = None  # PPO pays each environment reward at the turn it answered
+        if self.algo.reward.function == "environment" and self.cfg.algorithm == "ppo":
+            turn_rewards = np.concatenate([zeros, f.turn_rewards], 1)
         return Rollout(
             tokens=np.concatenate([p_tokens, f.tokens], 1).astype(np.int32),
             mask=np.concatenate([p_mask, f.sequence_mask], 1),
@@ -383,6 +387,7 @@ class RLTrainer:
             sampler_logprobs=np.concatenate([zeros, f.model_logprobs], 1),
             scores=np.asarray(scores, np.float32),
             task_scores=f.rewards if self.task_fn is not None else None,
+            turn_rewards=turn_rewards,
         )
 
     def _as_rollout(
@@ -514,10 +519,16 @@ class RLTrainer:
             plan = programs.planner.score(rollout.tokens, rollout.mask)
         update_plan = programs.planner.update(rollout.tokens, rollout.mask, key)
         self._check_groups(rollout, plan is None, update_plan is None)
-        rows = programs.put_rows(rollout.device_rows.replace(packing=plan and plan.packing))
-        shaped = shape_scores(
-            rollout.scores, normalize=self.algo.reward.normalize, clip=self.algo.reward.clip
+        reward_cfg = self.algo.reward
+        turn_rewards = None
+        if rollout.turn_rewards is not None:
+            turn_rewards = shape_turn_rewards(
+                np.asarray(rollout.turn_rewards), rollout.scores, normalize=reward_cfg.normalize
+            )
+        rows = programs.put_rows(
+            rollout.device_rows.replace(packing=plan and plan.packing, turn_rewards=turn_rewards)
         )
+        shaped = shape_scores(rollout.scores, normalize=reward_cfg.normalize, clip=reward_cfg.clip)
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
         scores = put_global(shaped, programs.rows(1))
         if programs.critic_mesh is not None:
@@ -533,7 +544,9 @@ class RLTrainer:
                 plan and plan.rows,
             )
         else:
-            scored = programs.score_advantages(forwards, rows.response_mask, scores, kl_coef)
+            scored = programs.score_advantages(
+                forwards, rows.response_mask, scores, kl_coef, rows.turn_rewards
+            )
         jax.block_until_ready(scored)
         timings["time/score_s"] = time.perf_counter() - start
         t_update = self.timeline.now()
@@ -601,7 +614,11 @@ class RLTrainer:
         self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
         values = jax.device_put(values, programs.rows(2))
         return programs.score_advantages(
-            forwards.replace(old_values=values), rows.response_mask, scores, kl_coef
+            forwards.replace(old_values=values),
+            rows.response_mask,
+            scores,
+            kl_coef,
+            rows.turn_rewards,
         )
 
     def _update_interleaved(

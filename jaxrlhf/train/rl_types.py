@@ -42,6 +42,9 @@ class Rollout:
         overlong penalty, before normalisation and clipping.
       task_scores: [N] float32, the built-in task's own graded reward (logged whatever
         drives RL), or None.
+      turn_rewards: [N, T] float32, a multi-turn PPO rollout's environment rewards at the
+        last model token of the turns they answered (rows sum to the episodes' rewards,
+        which ``scores`` include), or None: the whole score is paid on the last token.
     """
 
     tokens: Int[Array, "N T"]
@@ -52,6 +55,7 @@ class Rollout:
     sampler_logprobs: Float[Array, "N T"]
     scores: Float[Array, " N"]
     task_scores: Float[Array, " N"] | None = None
+    turn_rewards: Float[Array, "N T"] | None = None
 
     @property
     def rows(self) -> int:
@@ -75,12 +79,15 @@ class RolloutRows:
       tokens, mask, response_mask: [N, T] as in :class:`Rollout`.
       packing: where each row sits in its scoring micro-batch's packed rows ([N] leaves)
         when scoring packs sequences (``rollout.pack_sequences``), else None.
+      turn_rewards: [N, T] the rollout's ``turn_rewards`` shaped as its scores were
+        (``rewards.shape_turn_rewards``), for PPO's per-token rewards; or None.
     """
 
     tokens: Int[Array, "N T"]
     mask: Bool[Array, "N T"]
     response_mask: Bool[Array, "N T"]
     packing: RowPacking | None = None
+    turn_rewards: Float[Array, "N T"] | None = None
 
 
 def concatenate(rollouts: list[Rollout]) -> Rollout:

@@ -228,3 +228,30 @@ def test_a_chat_template_that_does_not_extend_a_conversation_is_refused(tmp_path
     )
     with pytest.raises(ValueError, match="does not extend a conversation"):
         observation_ids(tok, "42")
+
+
+def test_per_turn_rewards_sit_at_the_last_model_token_of_their_turn():
+    """Scripted: 0.25 answering turn 0 ("ab", columns 0-1), nothing for turn 1, 1.0 for the
+    last turn ("e"); an environment failure replaces them with one 0 at the failed turn."""
+    ep = _episode(Scripted({"answer": "x"}), width=80)
+    row, model, _ = run_episode(ep, TOK.encode("q:"), scripted_policy(["ab", "cd", "e"]))
+    want = np.zeros(80, np.float32)
+    want[1] = 0.25
+    want[len(row) - 1] = 1.0
+    np.testing.assert_array_equal(ep.turn_rewards(), want)
+    assert ep.turn_rewards().sum() == ep.reward
+    turn_ends = [i for i in range(79) if model[i] and not model[i + 1]]
+    assert set(np.flatnonzero(ep.turn_rewards())) <= set(turn_ends)
+
+    class FailsSecond(Scripted):
+        def step(self, turn):
+            if turn.index == 1:
+                raise RuntimeError("boom")
+            return super().step(turn)
+
+    ep = _episode(FailsSecond({}), width=80)
+    run_episode(ep, TOK.encode("q:"), scripted_policy(["ab", "cd", "e"]))
+    obs7 = "<tool_response>7</tool_response>"
+    want = np.zeros(80, np.float32)  # 0 at "d", the failed turn's last token
+    np.testing.assert_array_equal(ep.turn_rewards(), want)
+    assert ep.reward_columns == [2 + len(obs7) + 1] and ep.reward == 0.0

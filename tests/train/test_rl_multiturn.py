@@ -59,3 +59,92 @@ def test_episode_rollout_masks_observations_out_of_the_loss(tmp_path):
 def test_an_environment_that_does_not_import_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="grpo.rollout.environment: cannot import"):
         _trainer(tmp_path, "grpo.rollout.environment=tests.nope.Env")
+
+
+# ---- per-turn rewards (PPO) ----------------------------------------------------------------
+
+
+def test_ppo_token_rewards_pay_each_turn_where_it_ended():
+    """Hand case, KL in the reward (beta 0.5): row 0's turns end at columns 2 and 5 with
+    rewards 0.3 and (the rest of its score 1.0) 0.7; row 1 has no per-turn part, so its
+    rewards are exactly those without ``turn_rewards``."""
+    from jaxrlhf.train.rl_config import PolicyLossConfig
+    from jaxrlhf.train.rl_steps import ppo_token_rewards
+
+    resp = np.zeros((2, 8), bool)
+    resp[0, [1, 2, 5]] = True  # model tokens; 3-4 an observation
+    resp[1, 1:5] = True
+    old = np.zeros((2, 8), np.float32)
+    ref = np.full((2, 8), -0.2, np.float32)  # kl_t = old - ref = 0.2 on response tokens
+    turn = np.zeros((2, 8), np.float32)
+    turn[0, 2] = 0.3
+    scores = np.float32([1.0, -2.0])
+    cfg = PolicyLossConfig(kl_mode="reward")
+    got, _ = ppo_token_rewards(scores, old, ref, resp, 0.5, loss_cfg=cfg, turn_rewards=turn)
+    want = np.where(resp, -0.5 * 0.2, 0.0).astype(np.float32)
+    want[0, 2] += 0.3
+    want[0, 5] += 0.7
+    want[1, 4] += -2.0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    plain, _ = ppo_token_rewards(scores, old, ref, resp, 0.5, loss_cfg=cfg)
+    np.testing.assert_allclose(got[1], plain[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got.sum(-1), plain.sum(-1), rtol=1e-6, atol=1e-6)
+
+
+def test_shaped_turn_rewards_keep_each_row_summing_to_its_shaped_score():
+    from jaxrlhf.rewards import shape_scores, shape_turn_rewards
+
+    rng = np.random.default_rng(0)
+    turn = np.zeros((6, 5), np.float32)
+    turn[:, 1] = rng.normal(size=6)
+    scores = turn.sum(-1) + rng.normal(size=6).astype(np.float32)  # the final turns' part
+    shaped = shape_scores(scores, normalize=True, clip=None)
+    paid = shape_turn_rewards(turn, scores, normalize=True)
+    np.testing.assert_allclose(paid, turn / (scores.std() + 1e-6), rtol=1e-6)
+    rest = shaped - paid.sum(-1)  # what PPO pays on the last token
+    np.testing.assert_allclose(rest + paid.sum(-1), shaped, rtol=1e-6)
+    np.testing.assert_array_equal(shape_turn_rewards(turn, scores, normalize=False), turn)
+
+
+def reward_each_turn(record, turns):
+    """0.5 for the first turn (with an observation), then 1.0 and the end."""
+    if len(turns) == 1:
+        return Step(observation="ok", reward=0.5)
+    return Step(reward=1.0)
+
+
+def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
+    """A PPO iteration over two-turn episodes: the rollout carries 0.5 at the first turn's
+    last model token and 1.0 at the last one, its scores 1.5; the update's per-token
+    rewards (KL off) are the same, nothing elsewhere."""
+    cfg, src = _config(
+        tmp_path,
+        "ppo",
+        "ppo.rollout.engine=continuous",
+        "ppo.rollout.environment=tests.train.test_rl_multiturn.reward_each_turn",
+        "ppo.rollout.max_new_tokens=48",
+        "ppo.rollout.turn_tokens=4",
+        "ppo.reward.function=environment",
+        "ppo.loss.kl_coef=0.0",
+        "data.max_length=64",
+    )
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    rollout, _ = trainer.rollout(jax.random.key(0))
+    np.testing.assert_allclose(rollout.scores, 1.5)
+    resp = rollout.response_mask
+    for row in range(rollout.rows):
+        cols = np.flatnonzero(resp[row])
+        first_end = cols[np.flatnonzero(np.diff(cols) > 1)[0]]  # before the observation
+        want = np.zeros(resp.shape[1], np.float32)
+        want[first_end], want[cols[-1]] = 0.5, 1.0
+        np.testing.assert_array_equal(rollout.turn_rewards[row], want)
+    trainer.learn(rollout, jax.random.key(1))
+    rewards = trainer.last_scored.token_rewards
+    assert rewards is not None  # the critic's update runs GAE on these (reuse_value_forward)
+    rewards = np.asarray(jax.device_get(rewards))
+    for row in range(rollout.rows):
+        cols = np.flatnonzero(resp[row])
+        first_end = cols[np.flatnonzero(np.diff(cols) > 1)[0]]
+        want = np.zeros(resp.shape[1], np.float32)
+        want[first_end], want[cols[-1]] = 0.5, 1.0
+        np.testing.assert_allclose(rewards[row], want, rtol=1e-6, atol=1e-6)
