@@ -647,6 +647,11 @@ def _check_ilql(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
             f"'builtin' needs a built-in dataset (data.train: builtin:TASK), got "
             f"{cfg.data.train!r}",
         )
+    if cfg.ilql.eval_reward is not None and cfg.data.eval is None and not cfg.data.eval_size:
+        ctx.fail(
+            "ilql.eval_reward",
+            "the sampled evaluation needs held-out prompts (data.eval, or data.eval_size > 0)",
+        )
     total = cfg.data.max_prompt_length + cfg.ilql.max_new_tokens
     if cfg.ilql.eval_reward is not None and total > model_cfg.max_position_embeddings:
         ctx.fail(

@@ -10,8 +10,8 @@ At each step the next token is drawn from::
 
 The decode is KV-cached over an :class:`~jaxrlhf.models.ilql.ILQLModel` (one forward per
 step gives logits, target Q and V together); prompts are left-padded, so every row's next
-token is written at the same cache column. Rows stop at ``eos_id``; later positions are
-padding.
+token is written at the same cache column. Rows stop at any of ``stop_ids``; later positions
+are padding.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def generate(
     beta: float,
     top_k: int = 0,
     temperature: float = 1.0,
-    eos_id: int | None = None,
+    stop_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> tuple[Int[Array, "B N"], Bool[Array, "B N"]]:
     """Advantage-weighted samples of ``max_new_tokens`` tokens after each prompt.
@@ -67,12 +67,12 @@ def generate(
       key: sampling key (unused at temperature 0).
       max_new_tokens: ``N``.
       beta, top_k, temperature: the module docstring's.
-      eos_id: stops a row (the EOS token is kept); None: every row runs ``N`` tokens.
+      stop_ids: tokens that stop a row (kept in it); empty: every row runs ``N`` tokens.
       pad_id: written after a row stops.
 
     Returns:
       ``(completions [B, N] int32, completion_mask [B, N])``, the mask True up to and with
-      each row's EOS.
+      each row's stop token.
     """
     b, p = tokens.shape
     cache = model_lib.init_cache(module.cfg, b, p + max_new_tokens)
@@ -95,8 +95,8 @@ def generate(
         i, k = xs
         token = jnp.where(done, pad_id, choose(heads, k))
         alive = ~done
-        if eos_id is not None:
-            done = done | (token == eos_id)
+        if stop_ids:
+            done = done | (token[:, None] == jnp.asarray(stop_ids, jnp.int32)).any(-1)
         column = p + i
         cache_mask = cache_mask.at[:, column].set(True)
         out, cache = model_lib.forward_with_cache(

@@ -2,9 +2,10 @@
 LM whose final hidden states also feed a value head and Q heads over the vocabulary.
 
 Heads are trlX's ``make_head``: ``Linear(D, 2D) -> ReLU -> Linear(2D, out)``, with ``out = 1``
-for ``V`` and ``out = V`` (the vocabulary) for each Q head. ``num_q_heads`` (trlX's
-``two_qs``: 2) Q heads are trained; as many *target* Q heads follow them by Polyak averaging
-(:func:`polyak_update`) and never receive gradients.
+for ``V`` and ``out = V`` (the vocabulary) for each Q head. Their params are float32 whatever
+the model's ``param_dtype``: a Polyak step of ``alpha = 0.001`` rounds away in bfloat16.
+:data:`NUM_Q_HEADS` (trlX's ``two_qs``: 2) Q heads are trained; as many *target* Q heads
+follow them by Polyak averaging (:func:`polyak_update`) and never receive gradients.
 
 The param tree is the causal LM's (``decoder``, and ``lm_head`` unless tied: a Hugging Face
 causal LM loads into it and exports from it unchanged) plus the heads ``v_head``,
@@ -31,7 +32,6 @@ from jaxrlhf.models.transformer import (
     dense_init,
     lm_logits,
     no_constraint,
-    param,
 )
 
 NUM_Q_HEADS = 2
@@ -53,13 +53,19 @@ class ILQLOutputs(NamedTuple):
     values: Float[Array, "B T"]
 
 
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple, init) -> jax.Array:
+    """A float32 head parameter, in the compute dtype."""
+    partitioned = nn.with_logical_partitioning(init, names)
+    return module.param(name, partitioned, shape, jnp.float32).astype(module.cfg.compute_dtype)
+
+
 def _head(module: nn.Module, hidden: jax.Array, out: int, out_name: str) -> jax.Array:
     cfg = module.cfg
     d, init, zeros = cfg.hidden_size, dense_init(cfg), nn.initializers.zeros
-    w1 = param(module, "hidden_kernel", (d, 2 * d), (axes.EMBED, axes.MLP), init)
-    b1 = param(module, "hidden_bias", (2 * d,), (axes.MLP,), zeros)
-    w2 = param(module, "out_kernel", (2 * d, out), (axes.MLP, out_name), init)
-    b2 = param(module, "out_bias", (out,), (out_name,), zeros)
+    w1 = _param(module, "hidden_kernel", (d, 2 * d), (axes.EMBED, axes.MLP), init)
+    b1 = _param(module, "hidden_bias", (2 * d,), (axes.MLP,), zeros)
+    w2 = _param(module, "out_kernel", (2 * d, out), (axes.MLP, out_name), init)
+    b2 = _param(module, "out_bias", (out,), (out_name,), zeros)
     return (dense(jax.nn.relu(dense(hidden, w1) + b1), w2) + b2).astype(jnp.float32)
 
 
@@ -157,3 +163,8 @@ def head_param_names() -> tuple[str, ...]:
     for q, target in _pairs():
         names += [q, target]
     return tuple(names)
+
+
+def head_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The value and Q heads' part of ``params`` (the targets included)."""
+    return {k: v for k, v in params.items() if k in head_param_names()}

@@ -16,7 +16,7 @@ from jaxrlhf.config import ConfigError, describe_fields
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxrlhf.train",
-        description="Train with jaxrlhf (algorithm: sft | reward_model | dpo | ppo | grpo) "
+        description="Train with jaxrlhf (algorithm: sft | reward_model | dpo | ilql | ppo | grpo) "
         "from a YAML config, or run a pipeline file that lists stage configs.",
         epilog="config fields (override any with section.field=value):\n" + describe_fields(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

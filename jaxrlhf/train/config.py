@@ -10,6 +10,7 @@ sections are in ``rl_config.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxrlhf.losses import F_DIVERGENCES
 
@@ -233,9 +234,13 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ILQLConfig:
     """Implicit language Q-learning (``algorithm: ilql``) on offline ``(prompt, response,
-    reward)`` records; the defaults are trlX's ``default_ilql_config``.
+    reward)`` records; the defaults are trlX's ``default_ilql_config`` (but
+    ``max_new_tokens``: trlX's 56).
 
     Attributes:
+    normalize_rewards: standardise the records' rewards with the training set's mean and
+      std before they enter the Q targets, as trlX does (``decode_beta`` and ``awac_beta``
+      act on that scale); off: the rewards as recorded.
     gamma: discount of the Q target ``r_t + gamma V(s_{t+1})``.
     tau: expectile of the value loss (> 0.5 pushes V towards the best actions' Q).
     cql_scale: weight of the conservative (CQL) term.
@@ -266,6 +271,7 @@ class ILQLConfig:
     temperature: float = 1.0
     max_new_tokens: int = 32
     eval_reward: str | None = None
+    normalize_rewards: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:
@@ -273,8 +279,9 @@ class ILQLConfig:
         if not 0.0 < self.tau < 1.0:
             raise ValueError(f"tau: must be in (0, 1), got {self.tau}")
         for name in ("cql_scale", "awac_scale", "awac_beta", "decode_beta", "temperature"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"alpha: must be in (0, 1], got {self.alpha}")
         if self.target_sync_every < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,12 +23,16 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf import losses
+from jaxrlhf.config import ConfigError
 from jaxrlhf.data.dataset import TokenizedDataset
+from jaxrlhf.data.examples import record_reward
 from jaxrlhf.data.tokenizer import Tokenizer
 from jaxrlhf.generation import ilql_sampling
 from jaxrlhf.models import ilql as ilql_model
 from jaxrlhf.models import model as model_lib
-from jaxrlhf.rewards.functions import call_reward_fn, resolve_reward_fn
+from jaxrlhf.models.safetensors_io import PlannedTensor, SafetensorsReader, write_safetensors
+from jaxrlhf.rewards.functions import RewardError, call_reward_fn, resolve_reward_fn
+from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.train.config import ILQLConfig
 from jaxrlhf.train.steps import Batch, LossAux, Objective
 
@@ -113,18 +118,24 @@ def objective(cfg: ILQLConfig) -> Objective:
 class SampleEvaluation:
     """Decodes every held-out prompt with ILQL's advantage-weighted sampling and scores the
     completions with ``ilql.eval_reward``: ``eval/reward`` (mean over prompts),
-    ``eval/behaviour_reward`` (the held-out records' own mean reward) and
-    ``eval/completion_length`` (tokens, EOS included).
+    ``eval/behaviour_reward`` (the held-out records' own mean reward, as recorded) and
+    ``eval/completion_length`` (tokens, the stop token included).
 
     Args:
       cfg: the run's ILQL section; ``data_train``: ``data.train`` (for ``builtin``).
       module: the ILQL model (the programs' sharded module).
       data: the held-out offline dataset; ``tokenizer``: decodes the completions.
+      row_sharding: ``[B, P]`` prompt rows over the training mesh's data shards.
       prompt_length: ``data.max_prompt_length`` (prompts are left-padded to it).
-      batch_size: prompts per decode call.
+      batch_size: prompts per decode call (a multiple of the data shards).
       seed: the sampling key's seed (each evaluation decodes with the same keys).
+      reward_key: the records' reward field (``data.reward_key``).
       exclude: record fields the reward function is not given (the prompt, and the
         behaviour's response and reward).
+      stop_ids: tokens that end a completion (the tokenizer's EOS and the model's).
+
+    Raises:
+      ConfigError: ``eval_reward`` does not name a usable function (one line).
     """
 
     def __init__(
@@ -135,19 +146,27 @@ class SampleEvaluation:
         data: TokenizedDataset,
         tokenizer: Tokenizer,
         *,
+        row_sharding: Any,
         prompt_length: int,
         batch_size: int,
         seed: int,
+        reward_key: str,
         exclude: tuple[str, ...] = (),
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
-        self.reward_fn = resolve_reward_fn(cfg.eval_reward, data_train)
+        try:
+            self.reward_fn = resolve_reward_fn(cfg.eval_reward, data_train)
+        except RewardError as e:
+            problem = str(e).removeprefix("reward.function: ")
+            raise ConfigError(f"ilql.eval_reward: {problem}") from None
         self.data, self.tokenizer, self.exclude = data, tokenizer, exclude
         self.prompts = TokenizedDataset(
             "prompt", data.prompts, [], data.records, data.report, data.pad_id
         )
+        self.behaviour = float(np.mean([record_reward(r, reward_key) for r in data.records]))
+        self.row_sharding = row_sharding
         self.prompt_length, self.batch_size = prompt_length, batch_size
         self.key = jax.random.key(seed)
-        eos = module.cfg.eos_token_id
         self.generate = jax.jit(
             functools.partial(
                 ilql_sampling.generate,
@@ -156,7 +175,7 @@ class SampleEvaluation:
                 beta=cfg.decode_beta,
                 top_k=cfg.top_k,
                 temperature=cfg.temperature,
-                eos_id=eos,
+                stop_ids=stop_ids,
                 pad_id=data.pad_id,
             )
         )
@@ -171,10 +190,11 @@ class SampleEvaluation:
             real = rows >= 0
             # padding rows decode a copy of the first prompt (every row needs a real token)
             batch["tokens"][~real], batch["mask"][~real] = batch["tokens"][0], batch["mask"][0]
-            key = jax.random.fold_in(self.key, start)
-            tokens, alive = jax.device_get(
-                self.generate(params, batch["tokens"], batch["mask"], key)
+            prompts = put_global(
+                (batch["tokens"], batch["mask"]), (self.row_sharding, self.row_sharding)
             )
+            key = jax.random.fold_in(self.key, start)
+            tokens, alive = to_host(self.generate(params, *prompts, key))
             keep = rows[real]
             prompt_ids = [self.data.prompts[i] for i in keep]
             completion_ids = [row[ok] for row, ok in zip(tokens[real], alive[real], strict=True)]
@@ -190,7 +210,7 @@ class SampleEvaluation:
             lengths.append(alive[real].sum(-1))
         return {
             "eval/reward": float(np.concatenate(rewards).mean()),
-            "eval/behaviour_reward": float(self.data.extras["reward"].mean()),
+            "eval/behaviour_reward": self.behaviour,
             "eval/completion_length": float(np.concatenate(lengths).mean()),
         }
 
@@ -200,20 +220,79 @@ def sample_evaluation(
     module: Any,
     data: TokenizedDataset | None,
     tokenizer: Tokenizer,
+    row_sharding: Any,
 ) -> Callable[[Any], dict[str, float]] | None:
-    """The run's :class:`SampleEvaluation` (``cfg``: the RunConfig), or None without
-    ``ilql.eval_reward`` or held-out data."""
-    if cfg.ilql.eval_reward is None or data is None:
+    """The run's :class:`SampleEvaluation` (``cfg``: the RunConfig; ``row_sharding``: the
+    training batch's ``[B, T]`` sharding), or None without ``ilql.eval_reward``."""
+    if cfg.ilql.eval_reward is None:
         return None
     d = cfg.data
+    model_eos = module.cfg.eos_token_id
+    model_eos = () if model_eos is None else model_eos
+    model_eos = (model_eos,) if isinstance(model_eos, int) else tuple(model_eos)
+    tokenizer_eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
     return SampleEvaluation(
         cfg.ilql,
         cfg.data.train,
         module,
         data,
         tokenizer,
+        row_sharding=row_sharding,
         prompt_length=cfg.data.max_prompt_length,
         batch_size=cfg.train.eval_batch_size or cfg.train.batch_size,
         seed=cfg.train.seed,
+        reward_key=d.reward_key,
         exclude=(d.prompt_key, d.messages_key, d.response_key, d.reward_key),
+        stop_ids=tuple(dict.fromkeys(tokenizer_eos + model_eos)),
     )
+
+
+def standardize_rewards(
+    cfg: ILQLConfig, train: TokenizedDataset, held_out: TokenizedDataset | None
+) -> dict[str, float]:
+    """With ``cfg.normalize_rewards``, every record's reward (``extras["reward"]``, what the
+    batches carry) as ``(r - mean) / std`` over the training set, as trlX's ILQL does; the
+    held-out losses use the same transform. Returns the mean and std used (0 and 1 when
+    off); a constant reward keeps std 1."""
+    if not cfg.normalize_rewards:
+        return {"mean": 0.0, "std": 1.0}
+    rewards = train.extras["reward"]
+    mean, std = float(rewards.mean()), float(rewards.std())
+    std = std if std > 1e-8 else 1.0
+    for data in (train, held_out):
+        if data is not None:
+            data.extras["reward"] = ((data.extras["reward"] - mean) / std).astype(np.float32)
+    logger.info("ilql: rewards standardised with the training set's mean %.4g, std %.4g", mean, std)
+    return {"mean": mean, "std": std}
+
+
+HEADS_DIR = "ilql_heads"
+
+
+def export_heads(directory: str, params: Any) -> None:
+    """The value, Q and target Q heads as one safetensors file in ``directory`` (keys
+    ``v_head.hidden_kernel``, ``q_heads_0.out_bias``, ...; float32), beside the exported
+    language model: with :func:`load_heads` they restore ILQL's decoding after export.
+    Every process gathers; process 0 writes."""
+    heads = to_host(ilql_model.head_params(params))
+    flat = {
+        f"{name}.{leaf}": np.asarray(value, np.float32)
+        for name, head in heads.items()
+        for leaf, value in head.items()
+    }
+    if jax.process_index() != 0:
+        return
+    os.makedirs(directory, exist_ok=True)
+    planned = [PlannedTensor(k, v.shape, np.dtype(np.float32)) for k, v in flat.items()]
+    write_safetensors(directory, planned, iter(flat.values()))
+
+
+def load_heads(directory: str) -> dict[str, Any]:
+    """The heads :func:`export_heads` wrote, as the param tree's head entries (numpy); merge
+    them into a loaded language model's params for ``models.model.build(cfg, "ilql")``."""
+    reader = SafetensorsReader(directory)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key in reader.keys():
+        name, leaf = key.split(".", 1)
+        out.setdefault(name, {})[leaf] = reader.get(key)
+    return out

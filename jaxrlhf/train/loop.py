@@ -71,7 +71,11 @@ def run_directory(cfg: RunConfig) -> str:
 def exported_model(cfg: RunConfig) -> tuple[str, str]:
     """``(directory, head)`` of the Hugging Face model a run exports at its end (when
     ``checkpoint.export_hf``): the trained model, or the policy of an RL run."""
-    head = "lm" if cfg.algorithm in RL_ALGORITHMS else objective_for(cfg).head
+    if cfg.algorithm in RL_ALGORITHMS:
+        head = "lm"
+    else:  # ILQL exports its language model without the value and Q heads
+        objective = objective_for(cfg)
+        head = "lm" if objective.export_lm is not None else objective.head
     return os.path.join(run_directory(cfg), HF_DIR), head
 
 

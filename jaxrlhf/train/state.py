@@ -43,7 +43,8 @@ def state_shardings(
 ) -> TrainState:
     """Shardings of the whole state: optimizer moments follow their params (FSDP shards
     them too), counters and other non-param leaves are replicated. ``trainable``: the bool
-    tree of an ``optax.masked`` optimizer's mask (its state holds no moments elsewhere)."""
+    tree of the leaves an optimizer that trains part of the params updates (the
+    ``optax.multi_transform`` of ``Objective.trainable``; no moments elsewhere)."""
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     moment_shardings = param_shardings

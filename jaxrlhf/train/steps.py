@@ -89,8 +89,8 @@ class Objective:
       reference: a reference model, for losses that need one.
       row_group: rows that must stay together in a micro-batch (RL's packed prompt groups,
         chosen with the forward when the objective is built); 1 for independent rows.
-      trainable: ``params -> bool tree``, the leaves the optimizer updates (the others keep
-        their values and get no optimizer state); None: every leaf.
+      trainable: ``params -> bool tree``, the leaves the optimizer updates (the others get a
+        zero update whatever their gradient, and no optimizer state); None: every leaf.
       after_update: ``(params, step) -> params`` applied after each optimizer update
         (``step``: updates before it), e.g. ILQL's Polyak-averaged target heads; None: none.
       export_lm: ``params -> params`` of the causal LM exported as ``*ForCausalLM`` (ILQL

@@ -1,6 +1,5 @@
 """The supervised and offline trainers (``algorithm: sft | reward_model | dpo | ilql``): their
-jitted programs
-and the trainer that runs them.
+jitted programs and the trainer that runs them.
 
 :class:`SupervisedPrograms` is built from the config, the mesh and abstract shapes only (the
 dry run compiles the same objects); :class:`SupervisedTrainer` holds the data, the state and
@@ -12,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -152,8 +152,6 @@ def build_supervised_programs(
     spec = lora_spec(cfg)
     module = build_sharded(model, mesh, rules, objective.head, spec)
     optimizer, lr_fn = make_optimizer(cfg.optimizer, cfg.train.steps)
-    if objective.trainable is not None:
-        optimizer = optax.masked(optimizer, objective.trainable)
     lora = combine = frozen_sh = None
     if spec is None:
         param_sh = param_shardings(model, mesh, rules, objective.head)
@@ -162,7 +160,13 @@ def build_supervised_programs(
         lora = lora_layout(model, mesh, rules, objective.head, spec)
         param_sh, abstract = lora.trainable_shardings, lora.trainable
         frozen_sh, combine = lora.frozen_shardings, combine_fn(spec)
-    trainable = None if objective.trainable is None else objective.trainable(abstract)
+    trainable = None
+    if objective.trainable is not None:  # the other leaves: no update, no state
+        trainable = objective.trainable(abstract)
+        labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable)
+        optimizer = optax.multi_transform(
+            {"train": optimizer, "frozen": optax.set_to_zero()}, labels
+        )
     state_sh = state_shardings(abstract, param_sh, optimizer, mesh, trainable)
     learner = steps.Learner(objective, module, optimizer, lr_fn, rules, param_sh, combine)
     batch_sh = {
@@ -350,8 +354,8 @@ class SupervisedTrainer:
     def export(self, hf_dir: str) -> None:
         """The trained model (``*ForCausalLM``, or ``*ForSequenceClassification`` for a reward
         model) with the tokenizer; with LoRA the merged model, and the adapters alone in
-        PEFT's format beside it (``adapters.export_lora``); ILQL's language model without
-        its value and Q heads."""
+        PEFT's format beside it (``adapters.export_lora``); ILQL's language model, with its
+        value and Q heads beside it (``ilql.export_heads``)."""
         head = self.objective.head
         if self.objective.export_lm is not None:
             save_hf(
@@ -361,6 +365,8 @@ class SupervisedTrainer:
                 head="lm",
                 dtype=self.cfg.checkpoint.export_dtype,
             )
+            if self.objective.name == "ilql":
+                ilql.export_heads(os.path.join(hf_dir, ilql.HEADS_DIR), self.state.params)
         elif self.programs.lora is not None:
             spec = self.programs.lora.spec
             export_lora(
@@ -475,10 +481,12 @@ def build_supervised_trainer(
         key=step_key,
         ref_params=ref_params,
         frozen=frozen,
-        sample_eval=ilql.sample_evaluation(cfg, programs.learner.module, eval_data, tokenizer)
-        if cfg.algorithm == "ilql"
-        else None,
     )
+    if cfg.algorithm == "ilql":
+        ilql.standardize_rewards(cfg.ilql, train_data, eval_data)
+        trainer.sample_eval = ilql.sample_evaluation(
+            cfg, programs.learner.module, eval_data, tokenizer, programs.batch_shardings["tokens"]
+        )
     if ref is not None and ref.precompute:
         _precompute_reference(trainer)
     return trainer

@@ -51,9 +51,12 @@ def config(algorithm: str, run_dir: str) -> RunConfig:
         "train": {"steps": STEPS, "seed": 0, "log_every": 1},
         "logging": {"progress": "none", "plot": False},
     }
-    if algorithm == "sft":
+    if algorithm in ("sft", "ilql"):
         raw["train"].update(batch_size=16, micro_batch_size=1)
-    else:
+    if algorithm == "ilql":  # and its sampled evaluation of held-out prompts
+        raw["data"]["eval_size"] = 16
+        raw["ilql"] = {"eval_reward": "builtin", "max_new_tokens": 4}
+    elif algorithm != "sft":
         raw[algorithm] = {
             "rollout": {"prompts_per_step": 8, "num_samples": 2, "max_new_tokens": 6},
             "loss": {"num_minibatches": 2},
@@ -76,19 +79,23 @@ def run(algorithm: str, run_dir: str) -> dict[str, np.ndarray]:
     from jaxrlhf.train import loop
 
     result = loop.run(config(algorithm, run_dir))
-    if algorithm == "sft":
+    if algorithm in ("sft", "ilql"):
         params = {"policy": result.trainer.state.params}
     else:
         params = {"policy": result.trainer.policy_state.params}
         if result.trainer.value_state is not None:
             params["value"] = result.trainer.value_state.params
-    first = result.history[0]
+    first = next(row for row in result.history if not any(k.startswith("eval/") for k in row))
+    history = [row for row in result.history if not any(k.startswith("eval/") for k in row)]
     keys = sorted(
         k
         for k, v in first.items()
         if isinstance(v, (int, float)) and not k.startswith(NONDETERMINISTIC_PREFIXES)
     )
-    out = {f"metric/{k}": np.asarray([row[k] for row in result.history], np.float64) for k in keys}
+    out = {f"metric/{k}": np.asarray([row[k] for row in history], np.float64) for k in keys}
+    evals = [row for row in result.history if "eval/reward" in row]  # ILQL's decoding
+    if evals:
+        out["metric/eval/reward"] = np.asarray([row["eval/reward"] for row in evals])
     leaves = jax.tree.leaves(params)
     out["meta/cross_process_leaves"] = np.asarray(
         sum(not (x.is_fully_addressable or x.is_fully_replicated) for x in leaves)
