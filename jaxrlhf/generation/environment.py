@@ -6,8 +6,8 @@ it and answers with a :class:`Step`: an observation to append (the model then wr
 next turn after it) or the end of the episode. Either may carry a reward; the episode's
 reward is the sum (trajectory-level rewards: return it with the last step; per-turn
 rewards: return them as they come). Each reward belongs to the turn it answers: PPO pays it
-on that turn's last model token (:meth:`Episode.turn_rewards`), GRPO's advantages read the
-episode's sum::
+on that turn's last model token (:meth:`Episode.turn_rewards`; with ``reward.normalize`` the
+normalised sum on the last token), GRPO's advantages read the episode's sum::
 
     class Guess:                                   # a class: one instance per episode
         def __init__(self, record):
@@ -38,8 +38,9 @@ attends to them) but out of the loss and the KL: the rollout's ``response_mask``
 model's tokens only, and their behaviour log-probs are 0.
 
 An environment that raises, returns something other than a :class:`Step`, or takes more
-than ``rollout.env_timeout_s`` ends its episode with reward 0 and an error observation
-(``environment error: ...``) appended; the run goes on. Steps run on daemon threads: a step
+than ``rollout.env_timeout_s`` ends its episode with reward 0 (the rewards of its earlier
+turns included) and an error observation (``environment error: ...``) appended; the run
+goes on. Steps run on daemon threads: a step
 that hangs is abandoned, not killed (Python cannot kill a thread).
 """
 

@@ -14,7 +14,7 @@ from jaxrlhf.rewards.functions import (
     resolve_reward_fn,
     reward_fn_name,
 )
-from jaxrlhf.rewards.shaping import overlong_penalty, shape_scores, shape_turn_rewards
+from jaxrlhf.rewards.shaping import overlong_penalty, shape_scores
 
 __all__ = [
     "RewardError",
@@ -27,7 +27,6 @@ __all__ = [
     "resolve_reward_fn",
     "reward_fn_name",
     "shape_scores",
-    "shape_turn_rewards",
     "sort_answer",
     "sort_reward",
     "task_rewards",

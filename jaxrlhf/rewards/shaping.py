@@ -28,15 +28,3 @@ def shape_scores(scores: np.ndarray, *, normalize: bool, clip: float | None) -> 
     if clip is not None:
         scores = np.clip(scores, -clip, clip)
     return scores.astype(np.float32)
-
-
-def shape_turn_rewards(
-    turn_rewards: np.ndarray, scores: np.ndarray, *, normalize: bool
-) -> np.ndarray:
-    """``[N, T]`` per-turn rewards scaled as :func:`shape_scores` scales ``scores`` [N] (the
-    rows' totals): by ``1 / (std + 1e-6)`` when ``normalize``, else unchanged. PPO pays them
-    at their turns and the rest of each shaped score (the normalisation's shift, the clip,
-    the overlong penalty) on the row's last token, so a row's rewards still sum to its
-    shaped score."""
-    scale = 1.0 / (scores.std() + 1e-6) if normalize else 1.0
-    return (turn_rewards * scale).astype(np.float32)

@@ -311,15 +311,19 @@ class RewardConfig:
     Attributes:
       function: dotted path ``module.attr`` of a reward function, ``builtin`` for the
         built-in task's reward, or ``environment`` for the episodes' rewards (the sum of
-        what ``rollout.environment`` returned). A function is called as ``fn(prompts,
+        what ``rollout.environment`` returned; PPO pays each where its turn ended, unless
+        ``normalize``). A function is called as ``fn(prompts,
         completions, **kwargs) -> [N] scores`` (decoded text, one entry per rollout row)
         with, as keyword arguments it accepts, ``prompt_ids``, ``completion_ids`` and every
         other column of the prompt's dataset record (e.g. ``answer``); see
         ``jaxrlhf.rewards.functions``.
       model_dir: a Hugging Face reward model (``*ForSequenceClassification``, e.g. the RM
         trainer's export); used when ``function`` is null.
-      normalize: whiten scores over each rollout batch (mean 0, std 1).
-      clip: clip scores to ``[-clip, clip]`` after normalisation (None: off).
+      normalize: whiten scores over each rollout batch (mean 0, std 1). It scales the rows'
+        totals only: PPO then pays an episode's whole shaped reward on its last token
+        (per-turn environment rewards are not placed at their turns).
+      clip: clip scores to ``[-clip, clip]`` after normalisation (None: off); a row's total,
+        so with per-turn rewards (PPO) the last token carries the difference.
       overlong_buffer: GRPO/DAPO overlong shaping: the last this many tokens of the budget
         cost up to ``overlong_penalty`` linearly; responses cut at the budget cost it in full.
       overlong_penalty: the penalty's maximum.

@@ -54,7 +54,6 @@ from jaxrlhf.rewards import (
     overlong_penalty,
     resolve_reward_fn,
     shape_scores,
-    shape_turn_rewards,
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
@@ -376,8 +375,10 @@ class RLTrainer:
             timings[f"env/{name}_mean"] = float(np.mean(values))
         zeros = np.zeros(p_mask.shape, np.float32)
         turn_rewards = None  # PPO pays each environment reward at the turn it answered
-        if self.algo.reward.function == "environment" and self.cfg.algorithm == "ppo":
-            turn_rewards = np.concatenate([zeros, f.turn_rewards], 1)
+        reward_cfg = self.algo.reward
+        if reward_cfg.function == "environment" and self.cfg.algorithm == "ppo":
+            if not reward_cfg.normalize:  # (normalised, only the totals have a scale)
+                turn_rewards = np.concatenate([zeros, f.turn_rewards], 1)
         return Rollout(
             tokens=np.concatenate([p_tokens, f.tokens], 1).astype(np.int32),
             mask=np.concatenate([p_mask, f.sequence_mask], 1),
@@ -520,13 +521,10 @@ class RLTrainer:
         update_plan = programs.planner.update(rollout.tokens, rollout.mask, key)
         self._check_groups(rollout, plan is None, update_plan is None)
         reward_cfg = self.algo.reward
-        turn_rewards = None
-        if rollout.turn_rewards is not None:
-            turn_rewards = shape_turn_rewards(
-                np.asarray(rollout.turn_rewards), rollout.scores, normalize=reward_cfg.normalize
-            )
         rows = programs.put_rows(
-            rollout.device_rows.replace(packing=plan and plan.packing, turn_rewards=turn_rewards)
+            rollout.device_rows.replace(
+                packing=plan and plan.packing, turn_rewards=rollout.turn_rewards
+            )
         )
         shaped = shape_scores(rollout.scores, normalize=reward_cfg.normalize, clip=reward_cfg.clip)
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
@@ -607,7 +605,7 @@ class RLTrainer:
                 self.policy_params, self.ref_params, None, rows, plan and plan.rows
             )  # dispatched; the critic's forward runs meanwhile
         start = self.timeline.now()
-        critic_rows = programs.put_critic_rows(rows)
+        critic_rows = programs.put_critic_rows(rows.replace(turn_rewards=None))  # unread there
         values = jax.block_until_ready(
             programs.score_values(self.value_params, critic_rows, plan and plan.rows)
         )

@@ -44,7 +44,8 @@ class Rollout:
         drives RL), or None.
       turn_rewards: [N, T] float32, a multi-turn PPO rollout's environment rewards at the
         last model token of the turns they answered (rows sum to the episodes' rewards,
-        which ``scores`` include), or None: the whole score is paid on the last token.
+        which ``scores`` include; not with ``reward.normalize``, which scales only the
+        totals), or None: the whole score is paid on the last token.
     """
 
     tokens: Int[Array, "N T"]
@@ -79,8 +80,8 @@ class RolloutRows:
       tokens, mask, response_mask: [N, T] as in :class:`Rollout`.
       packing: where each row sits in its scoring micro-batch's packed rows ([N] leaves)
         when scoring packs sequences (``rollout.pack_sequences``), else None.
-      turn_rewards: [N, T] the rollout's ``turn_rewards`` shaped as its scores were
-        (``rewards.shape_turn_rewards``), for PPO's per-token rewards; or None.
+      turn_rewards: [N, T] the rollout's ``turn_rewards``, for PPO's per-token rewards; or
+        None.
     """
 
     tokens: Int[Array, "N T"]

@@ -91,21 +91,6 @@ def test_ppo_token_rewards_pay_each_turn_where_it_ended():
     np.testing.assert_allclose(got.sum(-1), plain.sum(-1), rtol=1e-6, atol=1e-6)
 
 
-def test_shaped_turn_rewards_keep_each_row_summing_to_its_shaped_score():
-    from jaxrlhf.rewards import shape_scores, shape_turn_rewards
-
-    rng = np.random.default_rng(0)
-    turn = np.zeros((6, 5), np.float32)
-    turn[:, 1] = rng.normal(size=6)
-    scores = turn.sum(-1) + rng.normal(size=6).astype(np.float32)  # the final turns' part
-    shaped = shape_scores(scores, normalize=True, clip=None)
-    paid = shape_turn_rewards(turn, scores, normalize=True)
-    np.testing.assert_allclose(paid, turn / (scores.std() + 1e-6), rtol=1e-6)
-    rest = shaped - paid.sum(-1)  # what PPO pays on the last token
-    np.testing.assert_allclose(rest + paid.sum(-1), shaped, rtol=1e-6)
-    np.testing.assert_array_equal(shape_turn_rewards(turn, scores, normalize=False), turn)
-
-
 def reward_each_turn(record, turns):
     """0.5 for the first turn (with an observation), then 1.0 and the end."""
     if len(turns) == 1:
@@ -148,3 +133,65 @@ def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
         want = np.zeros(resp.shape[1], np.float32)
         want[first_end], want[cols[-1]] = 0.5, 1.0
         np.testing.assert_allclose(rewards[row], want, rtol=1e-6, atol=1e-6)
+
+
+def test_normalised_ppo_rewards_are_paid_on_the_last_token(tmp_path):
+    """reward.normalize scales the batch's totals only: the rollout then carries no per-turn
+    parts (a per-turn part scaled by 1/std of nearly equal totals would dwarf them)."""
+    cfg, src = _config(
+        tmp_path,
+        "ppo",
+        "ppo.rollout.engine=continuous",
+        "ppo.rollout.environment=tests.train.test_rl_multiturn.reward_each_turn",
+        "ppo.rollout.max_new_tokens=48",
+        "ppo.rollout.turn_tokens=4",
+        "ppo.reward.function=environment",
+        "ppo.reward.normalize=true",
+        "data.max_length=64",
+    )
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    rollout, _ = trainer.rollout(jax.random.key(0))
+    assert rollout.turn_rewards is None
+    np.testing.assert_allclose(rollout.scores, 1.5)
+    metrics = trainer.learn(rollout, jax.random.key(1))
+    assert np.isfinite(metrics["loss/policy"])
+
+
+def test_ppo_gae_in_scoring_uses_the_per_turn_rewards(tmp_path):
+    """With two epochs the critic's values are scored up front and GAE runs in scoring: its
+    returns equal ``losses.gae_advantages`` of the per-turn token rewards (0.5 and 1.0 at
+    the two turns' last tokens, KL off) and the scored values, to 1e-6."""
+    from jaxrlhf import losses
+
+    cfg, src = _config(
+        tmp_path,
+        "ppo",
+        "ppo.rollout.engine=continuous",
+        "ppo.rollout.environment=tests.train.test_rl_multiturn.reward_each_turn",
+        "ppo.rollout.max_new_tokens=48",
+        "ppo.rollout.turn_tokens=4",
+        "ppo.reward.function=environment",
+        "ppo.loss.kl_coef=0.0",
+        "ppo.loss.epochs=2",
+        "data.max_length=64",
+    )
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    rollout, _ = trainer.rollout(jax.random.key(0))
+    trainer.learn(rollout, jax.random.key(1))
+    scored = jax.device_get(trainer.last_scored)
+    assert scored.token_rewards is None  # GAE ran in scoring
+    resp = rollout.response_mask
+    _, want = losses.gae_advantages(
+        rollout.turn_rewards, scored.old_values, resp, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam
+    )
+    np.testing.assert_allclose(scored.returns, want, rtol=1e-6, atol=1e-6)
+    last = np.zeros(resp.shape, np.float32)  # the whole score on the last model token
+    last[np.arange(rollout.rows), resp.shape[1] - 1 - np.argmax(resp[:, ::-1], axis=1)] = 1.0
+    _, plain = losses.gae_advantages(
+        last * rollout.scores[:, None],
+        scored.old_values,
+        resp,
+        gamma=cfg.ppo.gamma,
+        lam=cfg.ppo.lam,
+    )
+    assert np.abs(np.asarray(plain) - np.asarray(want)).max() > 0.05  # placement matters
