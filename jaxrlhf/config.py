@@ -781,6 +781,15 @@ def _check_staleness(cfg: RunConfig, ctx: _Context) -> None:
             f"{cfg.algorithm}.rollout.max_staleness",
             "asynchronous RL scores with a reward function; reward.model_dir needs 0",
         )
+    import jax
+
+    if k and jax.process_count() > 1:  # a 2-process staleness-1 run hung in a collective
+        ctx.fail(
+            f"{cfg.algorithm}.rollout.max_staleness",
+            f"{k} runs in one process for now: the sampler's thread and the learner dispatch "
+            "their programs in a different order on each process, and programs whose "
+            "collectives span processes must start in the same order everywhere; use 0",
+        )
 
 
 def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Context) -> None:

@@ -44,7 +44,12 @@ Strategies (``strategy``) put roles on device groups of their own:
 A group is ``{devices: [i, ...]}`` (indices into ``jax.devices()``) or ``{fraction: f}`` (the
 next ``round(f * n)`` devices not taken), with an optional ``mesh`` shape over it (default:
 every device on ``data``). Overlapping, empty or oversized groups are one-line errors.
-Single-process runs only (a group is a list of this process's devices).
+Several processes: a group is a list of global device indices and may span processes (each
+process then runs every program of the groups it has devices in); a weight sync between
+groups whose device sets differ across processes goes through the hosts
+(``sharding.reshard``: all-gathered, then placed), which multi-controller JAX's
+``device_put`` refuses to do directly. Asynchronous sampling (``max_staleness >= 1``) is
+single-process: its two threads would start cross-process programs in different orders.
 """
 
 from __future__ import annotations
@@ -212,8 +217,6 @@ def role_mesh_config(placement: PlacementConfig, role: str, train: MeshConfig) -
 
 
 def _group_mesh(placement: PlacementConfig, role: str, train: MeshConfig) -> Mesh:
-    if jax.process_count() > 1:
-        raise MeshError(f"placement.strategy: {placement.strategy} needs a single-process run")
     devices = jax.devices()
     ids = role_devices(placement, len(devices))[role]
     return make_mesh(role_mesh_config(placement, role, train), [devices[i] for i in ids])

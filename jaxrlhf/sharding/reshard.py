@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from jaxrlhf.sharding.distributed import put_global, to_host
+
 logger = logging.getLogger(__name__)
 
 _Box = tuple[tuple[int, int], ...]
@@ -158,6 +160,34 @@ def _buffer_pointers(x: jax.Array) -> set[int]:
     return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
 
 
+def _crosses_hosts(x: Any, dst: Sharding) -> bool:
+    """Whether moving ``x`` to ``dst`` changes the device set of an array that spans
+    several processes: multi-controller JAX's ``device_put`` refuses that on GPU and CPU."""
+    return (
+        isinstance(x, jax.Array)
+        and not x.is_fully_addressable
+        and set(x.sharding.device_set) != set(dst.device_set)
+    )
+
+
+def _device_put(leaves: list[Any], dsts: list[Sharding], donate: bool) -> list[Any]:
+    """``jax.device_put`` of ``leaves``; in a multi-process run, a leaf moving between two
+    device sets that span processes (a separated placement's groups) goes through the hosts
+    instead: all-gathered to every process, then each process places its devices' blocks."""
+    if jax.process_count() == 1:
+        return jax.device_put(leaves, dsts, donate=donate)
+    out = list(leaves)
+    direct = [i for i, (x, d) in enumerate(zip(leaves, dsts, strict=True))
+              if not _crosses_hosts(x, d)]  # fmt: skip
+    for i, y in zip(direct, jax.device_put([leaves[i] for i in direct],
+                                           [dsts[i] for i in direct], donate=donate),
+                    strict=True):  # fmt: skip
+        out[i] = y
+    for i in sorted(set(range(len(leaves))) - set(direct)):
+        out[i] = put_global(to_host(leaves[i]), dsts[i])
+    return out
+
+
 def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False) -> tuple[Any, ReshardStats]:
     """Moves ``tree`` to ``dst_shardings`` with ``jax.device_put`` and measures the cost.
 
@@ -186,7 +216,7 @@ def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False) -> tuple[Any
     total = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
 
     start = time.perf_counter()
-    out_leaves = jax.device_put(leaves, dsts, donate=donate)
+    out_leaves = _device_put(leaves, dsts, donate)
     jax.block_until_ready(out_leaves)
     seconds = time.perf_counter() - start
 

@@ -6,10 +6,10 @@ RUN_DIR OUT.npz`` with ``JAX_PLATFORMS=cpu`` and the repo root on ``PYTHONPATH``
 with 1 it gets all 8 devices itself. The test also imports ``run`` and calls it in its own
 8-device process as the single-process reference.
 
-``run`` trains a tiny model for a few iterations of ``ALGORITHM`` (``grpo``, ``ppo`` or
-``sft``) on the built-in sort task through the same entry points as the CLI
-(``run_rl`` / ``loop.run``) and returns what the test compares: the per-iteration metrics
-and the final parameters, as numpy, identical on every process.
+``run`` trains a tiny model for a few iterations of ``ALGORITHM`` (``grpo``, ``ppo``,
+``sft``, ``ilql`` or ``grpo_separated``) on the built-in sort task through the same entry
+points as the CLI (``run_rl`` / ``loop.run``) and returns what the test compares: the
+per-iteration metrics and the final parameters, as numpy, identical on every process.
 """
 
 from __future__ import annotations
@@ -61,6 +61,15 @@ def config(algorithm: str, run_dir: str) -> RunConfig:
             "rollout": {"prompts_per_step": 8, "num_samples": 2, "max_new_tokens": 6},
             "loss": {"num_minibatches": 2},
         }
+    if algorithm == "grpo_separated":  # each group on two devices of each process
+        raw["algorithm"] = "grpo"
+        raw["grpo"] = raw.pop(algorithm)
+        raw["placement"] = {
+            "strategy": "separated",
+            "sampler": {"devices": [0, 1, 4, 5], "mesh": {"data": 4, "fsdp": 1, "tensor": 1}},
+            "learner": {"devices": [2, 3, 6, 7]},
+        }
+        raw["mesh"] = {"data": 2, "fsdp": 2, "tensor": 1}  # the learner's
     cfg = from_dict(raw, source=f"multihost_worker:{algorithm}")
     validate(cfg, DEVICES)
     return cfg

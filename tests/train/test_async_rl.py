@@ -217,6 +217,18 @@ def test_placement_errors_are_one_line(tmp_path, overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_asynchronous_sampling_over_several_processes_is_a_config_error(tmp_path, monkeypatch):
+    """Two threads would start cross-process programs in different orders on each process
+    (a 2-process staleness-1 run hung in a collective); staleness 0 is allowed (tested in
+    test_multihost.py with a separated placement)."""
+    cfg, src = _config(tmp_path, "grpo", *SEPARATED, "grpo.rollout.max_staleness=1")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 8, source=src)
+    assert "grpo.rollout.max_staleness: 1 runs in one process for now" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_fractions_split_the_devices(tmp_path):
     cfg, src = _config(
         tmp_path,

@@ -136,8 +136,10 @@ def _assert_same_run(got: dict, want: dict, label: str) -> None:
             np.testing.assert_allclose(got[key], expected, atol=PARAM_ATOL, rtol=0, err_msg=msg)
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "sft", "ilql"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "sft", "ilql", "grpo_separated"])
 def test_two_processes_train_like_one(algorithm, tmp_path):
+    """``grpo_separated``: the sampler and the learner on their own device groups, each two
+    devices of each process (the weight sync goes through the hosts), at staleness 0."""
     port = _free_port()
     run_dir = tmp_path / "run"
     outs = [tmp_path / f"process_{i}.npz" for i in range(worker.NUM_PROCESSES)]
