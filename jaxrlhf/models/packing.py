@@ -32,8 +32,8 @@ Two halves:
 
 Static shapes: ``L = T`` (every sequence fits in one row, and a packed row's attention
 costs no more than a padded row's) and ``m``, the packed rows per shard, rounded up to one
-of a few sizes (:func:`bucket_sizes`: multiples of ``b / buckets``), so a program compiles
-at most ``buckets`` times whatever the lengths.
+of a few sizes (:func:`bucket_sizes`: geometric steps from ``b / buckets`` to ``b``), so a
+program compiles at most ``buckets`` times whatever the lengths.
 """
 
 from __future__ import annotations
@@ -90,9 +90,22 @@ class PackedShape:
 
 
 def bucket_sizes(rows_per_shard: int, buckets: int) -> tuple[int, ...]:
-    """The packed rows per shard a program is compiled for: ``ceil(b * i / buckets)`` for
-    ``i = 1 .. buckets`` (deduplicated), ``b`` the rows each shard holds unpacked."""
-    return tuple(sorted({math.ceil(rows_per_shard * i / buckets) for i in range(1, buckets + 1)}))
+    """The packed rows per shard a program is compiled for: ``buckets`` sizes in geometric
+    steps from ``ceil(b / buckets)`` to ``b`` (``ceil(b * buckets ** (i / (buckets - 1) -
+    1))`` for ``i = 0 .. buckets - 1``, deduplicated), ``b`` the rows each shard holds
+    unpacked.
+
+    The same range as equal steps of ``b / buckets`` but finer at the small end, where
+    long-tailed RL lengths put most packed micro-batches (with 4 buckets and ``b = 32``:
+    8, 13, 21, 32 rather than 8, 16, 24, 32), so a size is never more than
+    ``buckets ** (1 / (buckets - 1))`` times what it holds (1.59x for 4)."""
+    if buckets == 1:
+        return (rows_per_shard,)
+    sizes = {
+        math.ceil(rows_per_shard * buckets ** (i / (buckets - 1) - 1) - 1e-9)
+        for i in range(buckets)
+    }
+    return tuple(sorted(sizes | {rows_per_shard}))
 
 
 def bucket_for(needed: int, rows_per_shard: int, buckets: int) -> int:

@@ -51,9 +51,10 @@ class RolloutConfig:
         no more slots than the rows unpacked (or in prompt groups, ``shared_prefix``). On
         by default: RL responses mostly stop well short of ``max_new_tokens``, and by that
         rule it never runs more model work than the unpacked path.
-      pack_buckets: packed micro-batches are sized in steps of 1/``pack_buckets`` of the
-        rows each data shard holds (rounded up), so each program compiles at most this many
-        times whatever the lengths; more steps pack tighter and compile more.
+      pack_buckets: packed micro-batches take one of this many sizes, geometric steps from
+        1/``pack_buckets`` of the rows each data shard holds to all of them
+        (``models.packing.bucket_sizes``), so each program compiles at most this many times
+        whatever the lengths; more sizes pack tighter and compile more.
       engine: ``"static"``: the sampler decodes every row for ``max_new_tokens`` steps;
         ``"continuous"``: the rollout engine (``jaxrlhf.generation.engine``) keeps ``slots``
         rows busy, a finished sample's slot taken by the next queued prompt, and hands

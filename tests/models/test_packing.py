@@ -11,6 +11,8 @@ absolute plus 2e-5 relative (measured <= 4e-5 absolute), as for packed prompt gr
 
 from __future__ import annotations
 
+import math
+
 import functools
 
 import jax
@@ -176,6 +178,13 @@ def test_packed_values_and_reward_scores_equal_padded():
 def test_buckets_and_refusals():
     assert pk.bucket_sizes(8, 4) == (2, 4, 6, 8)
     assert pk.bucket_sizes(2, 4) == (1, 2)
+    assert pk.bucket_sizes(32, 4) == (8, 13, 21, 32)  # geometric: 32 * 4 ** (i / 3 - 1)
+    assert pk.bucket_sizes(32, 1) == (32,)
+    for b, n in ((32, 4), (48, 8), (5, 3)):  # a size holds at least 1 / ratio of itself
+        sizes = pk.bucket_sizes(b, n)
+        assert len(sizes) <= n and sizes[-1] == b and sizes[0] == -(-b // n)
+        for needed in range(sizes[0], b + 1):
+            assert pk.bucket_for(needed, b, n) <= math.ceil(needed * n ** (1 / (n - 1)))
     assert pk.bucket_for(5, 8, 4) == 6 and pk.bucket_for(1, 1, 4) == 1
     tokens = jnp.zeros((6, 8), jnp.int32)
     plan = pk.RowPacking(*(jnp.zeros(6, jnp.int32) for _ in range(3)))
