@@ -11,9 +11,8 @@ absolute plus 2e-5 relative (measured <= 4e-5 absolute), as for packed prompt gr
 
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
