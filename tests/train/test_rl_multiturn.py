@@ -98,10 +98,8 @@ def reward_each_turn(record, turns):
     return Step(reward=1.0)
 
 
-def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
-    """A PPO iteration over two-turn episodes: the rollout carries 0.5 at the first turn's
-    last model token and 1.0 at the last one, its scores 1.5; the update's per-token
-    rewards (KL off) are the same, nothing elsewhere."""
+def _ppo_trainer(tmp_path, *overrides):
+    """PPO over :func:`reward_each_turn`'s two-turn episodes, rewarded by the environment."""
     cfg, src = _config(
         tmp_path,
         "ppo",
@@ -110,46 +108,42 @@ def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
         "ppo.rollout.max_new_tokens=48",
         "ppo.rollout.turn_tokens=4",
         "ppo.reward.function=environment",
-        "ppo.loss.kl_coef=0.0",
         "data.max_length=64",
+        *overrides,
     )
-    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    return cfg, build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+
+
+def _at_turn_ends(response_mask, first, last):
+    """``[N, T]``: ``first`` on each row's first turn's last model token (the one before
+    the observation) and ``last`` on its last model token."""
+    out = np.zeros(response_mask.shape, np.float32)
+    for row, resp in enumerate(response_mask):
+        cols = np.flatnonzero(resp)
+        out[row, cols[np.flatnonzero(np.diff(cols) > 1)[0]]] = first
+        out[row, cols[-1]] = last
+    return out
+
+
+def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
+    """A PPO iteration over two-turn episodes: the rollout carries 0.5 at the first turn's
+    last model token and 1.0 at the last one, its scores 1.5; the update's per-token
+    rewards (KL off) are the same, nothing elsewhere."""
+    cfg, trainer = _ppo_trainer(tmp_path, "ppo.loss.kl_coef=0.0")
     rollout, _ = trainer.rollout(jax.random.key(0))
     np.testing.assert_allclose(rollout.scores, 1.5)
-    resp = rollout.response_mask
-    for row in range(rollout.rows):
-        cols = np.flatnonzero(resp[row])
-        first_end = cols[np.flatnonzero(np.diff(cols) > 1)[0]]  # before the observation
-        want = np.zeros(resp.shape[1], np.float32)
-        want[first_end], want[cols[-1]] = 0.5, 1.0
-        np.testing.assert_array_equal(rollout.turn_rewards[row], want)
+    want = _at_turn_ends(rollout.response_mask, 0.5, 1.0)
+    np.testing.assert_array_equal(rollout.turn_rewards, want)
     trainer.learn(rollout, jax.random.key(1))
     rewards = trainer.last_scored.token_rewards
     assert rewards is not None  # the critic's update runs GAE on these (reuse_value_forward)
-    rewards = np.asarray(jax.device_get(rewards))
-    for row in range(rollout.rows):
-        cols = np.flatnonzero(resp[row])
-        first_end = cols[np.flatnonzero(np.diff(cols) > 1)[0]]
-        want = np.zeros(resp.shape[1], np.float32)
-        want[first_end], want[cols[-1]] = 0.5, 1.0
-        np.testing.assert_allclose(rewards[row], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.device_get(rewards), want, rtol=1e-6, atol=1e-6)
 
 
 def test_normalised_ppo_rewards_are_paid_on_the_last_token(tmp_path):
     """reward.normalize scales the batch's totals only: the rollout then carries no per-turn
     parts (a per-turn part scaled by 1/std of nearly equal totals would dwarf them)."""
-    cfg, src = _config(
-        tmp_path,
-        "ppo",
-        "ppo.rollout.engine=continuous",
-        "ppo.rollout.environment=tests.train.test_rl_multiturn.reward_each_turn",
-        "ppo.rollout.max_new_tokens=48",
-        "ppo.rollout.turn_tokens=4",
-        "ppo.reward.function=environment",
-        "ppo.reward.normalize=true",
-        "data.max_length=64",
-    )
-    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    cfg, trainer = _ppo_trainer(tmp_path, "ppo.reward.normalize=true")
     rollout, _ = trainer.rollout(jax.random.key(0))
     assert rollout.turn_rewards is None
     np.testing.assert_allclose(rollout.scores, 1.5)
@@ -163,19 +157,7 @@ def test_ppo_gae_in_scoring_uses_the_per_turn_rewards(tmp_path):
     the two turns' last tokens, KL off) and the scored values, to 1e-6."""
     from jaxrlhf import losses
 
-    cfg, src = _config(
-        tmp_path,
-        "ppo",
-        "ppo.rollout.engine=continuous",
-        "ppo.rollout.environment=tests.train.test_rl_multiturn.reward_each_turn",
-        "ppo.rollout.max_new_tokens=48",
-        "ppo.rollout.turn_tokens=4",
-        "ppo.reward.function=environment",
-        "ppo.loss.kl_coef=0.0",
-        "ppo.loss.epochs=2",
-        "data.max_length=64",
-    )
-    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    cfg, trainer = _ppo_trainer(tmp_path, "ppo.loss.kl_coef=0.0", "ppo.loss.epochs=2")
     rollout, _ = trainer.rollout(jax.random.key(0))
     trainer.learn(rollout, jax.random.key(1))
     scored = jax.device_get(trainer.last_scored)
