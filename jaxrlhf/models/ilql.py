@@ -27,9 +27,9 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraSpec
 from jaxrlhf.models.transformer import (
     Constrain,
-    Decoder,
     dense,
     dense_init,
+    head_inputs,
     lm_logits,
     no_constraint,
 )
@@ -101,9 +101,9 @@ class ILQLModel(nn.Module):
         if self.lora is not None:
             raise ValueError("ILQL's model has no LoRA adapters")
         cfg = self.cfg
-        decoder = Decoder(cfg, self.constrain, None, name="decoder")
-        hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
-        hidden = hidden[:, head_from:] if select is None else select(hidden)
+        decoder, hidden, new_cache = head_inputs(
+            self, tokens, positions, mask, cache, cache_index, head_from, select
+        )
         logits = lm_logits(self, decoder, hidden)
 
         def q_heads(name: str) -> jax.Array:

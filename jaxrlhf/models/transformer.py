@@ -518,11 +518,23 @@ class CausalLM(nn.Module):
     def __call__(
         self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0, select=None
     ):
-        cfg = self.cfg
-        decoder = Decoder(cfg, self.constrain, self.lora, name="decoder")
-        hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
-        hidden = hidden[:, head_from:] if select is None else select(hidden)
+        decoder, hidden, new_cache = head_inputs(
+            self, tokens, positions, mask, cache, cache_index, head_from, select
+        )
         return lm_logits(self, decoder, hidden), new_cache
+
+
+def head_inputs(
+    module: nn.Module, tokens, positions, mask, cache, cache_index, head_from: int, select
+) -> tuple[Decoder, Float[Array, "B T D"], KVCache | None]:
+    """``(decoder, hidden, new_cache)`` of a compact model with a head (``module``: its
+    ``cfg``, ``constrain`` and ``lora``): the ``decoder`` submodule run on the inputs, and
+    its final hidden states at the positions the head reads (``head_from:``, or what
+    ``select`` picks)."""
+    decoder = Decoder(module.cfg, module.constrain, module.lora, name="decoder")
+    hidden, new_cache = decoder(tokens, positions, mask, cache, cache_index)
+    hidden = hidden[:, head_from:] if select is None else select(hidden)
+    return decoder, hidden, new_cache
 
 
 def lm_logits(module: nn.Module, decoder: Decoder, hidden: Float[Array, "B T D"]) -> jax.Array:
@@ -562,10 +574,9 @@ class ScalarModel(nn.Module):
         self, tokens, positions, mask, cache=None, cache_index=None, *, head_from=0, select=None
     ):
         cfg = self.cfg
-        hidden, new_cache = Decoder(cfg, self.constrain, self.lora, name="decoder")(
-            tokens, positions, mask, cache, cache_index
+        _, hidden, new_cache = head_inputs(
+            self, tokens, positions, mask, cache, cache_index, head_from, select
         )
-        hidden = hidden[:, head_from:] if select is None else select(hidden)
         kernel = param(
             self, "score", (cfg.hidden_size, 1), (axes.EMBED, axes.SCALAR), dense_init(cfg)
         )
