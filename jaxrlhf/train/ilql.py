@@ -112,6 +112,7 @@ def objective(cfg: ILQLConfig) -> Objective:
         trainable=ilql_model.trainable_mask,
         after_update=functools.partial(after_update, cfg),
         export_lm=ilql_model.lm_params,
+        export_extras=export_heads_beside,
     )
 
 
@@ -285,6 +286,11 @@ def export_heads(directory: str, params: Any) -> None:
     os.makedirs(directory, exist_ok=True)
     planned = [PlannedTensor(k, v.shape, np.dtype(np.float32)) for k, v in flat.items()]
     write_safetensors(directory, planned, iter(flat.values()))
+
+
+def export_heads_beside(hf_dir: str, params: Any) -> None:
+    """:func:`export_heads` into ``hf_dir``/:data:`HEADS_DIR`, beside the exported LM."""
+    export_heads(os.path.join(hf_dir, HEADS_DIR), params)
 
 
 def load_heads(directory: str) -> dict[str, Any]:

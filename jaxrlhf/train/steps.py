@@ -95,6 +95,8 @@ class Objective:
         (``step``: updates before it), e.g. ILQL's Polyak-averaged target heads; None: none.
       export_lm: ``params -> params`` of the causal LM exported as ``*ForCausalLM`` (ILQL
         drops its heads); None: the params are exported with ``head``.
+      export_extras: ``(hf_dir, params) -> None`` writes what ``export_lm`` leaves out
+        beside the export (ILQL's heads); None: nothing.
     """
 
     name: str
@@ -110,6 +112,7 @@ class Objective:
     trainable: Callable[[Any], Any] | None = None
     after_update: Callable[[Any, jax.Array], Any] | None = None
     export_lm: Callable[[Any], Any] | None = None
+    export_extras: Callable[[str, Any], None] | None = None
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:

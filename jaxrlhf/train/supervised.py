@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -355,7 +354,7 @@ class SupervisedTrainer:
         """The trained model (``*ForCausalLM``, or ``*ForSequenceClassification`` for a reward
         model) with the tokenizer; with LoRA the merged model, and the adapters alone in
         PEFT's format beside it (``adapters.export_lora``); ILQL's language model, with its
-        value and Q heads beside it (``ilql.export_heads``)."""
+        value and Q heads beside it (``Objective.export_extras``)."""
         head = self.objective.head
         if self.objective.export_lm is not None:
             save_hf(
@@ -365,8 +364,8 @@ class SupervisedTrainer:
                 head="lm",
                 dtype=self.cfg.checkpoint.export_dtype,
             )
-            if self.objective.name == "ilql":
-                ilql.export_heads(os.path.join(hf_dir, ilql.HEADS_DIR), self.state.params)
+            if self.objective.export_extras is not None:
+                self.objective.export_extras(hf_dir, self.state.params)
         elif self.programs.lora is not None:
             spec = self.programs.lora.spec
             export_lora(
