@@ -13,10 +13,12 @@ samples) in two placements:
 
 Each run is a ``python -m jaxrlhf.train`` process. Reported per run: iterations per second
 after the first ``--skip`` iterations (compilation), each device's busy fraction over the same
-iterations (from ``timeline.json``: the union of the phases that ran on it), and the task
-reward (mean of the last 5 iterations). Targets: async >= 1.3x the sync iterations per
-second with both devices busy >= 85% of the time, and the final task reward within the
-seeds' spread of the sync runs.
+iterations (from ``timeline.json``: the union of the phases that ran on it), the host's cores
+the process kept busy over them (CPU seconds per wall second, from the timeline's CPU-time
+samples: on a CPU host both JAX devices' programs run on the same cores, so a busy device
+does not mean a busy core), and the task reward (mean of the last 5 iterations). Targets:
+async >= 1.3x the sync iterations per second with both devices busy >= 85% of the time, and
+the final task reward within the seeds' spread of the sync runs.
 
     python -m benchmarks.async_rl                         # tiny model, 3 seeds, 40 iterations
     python -m benchmarks.async_rl --model bench_s --steps 20
@@ -33,7 +35,7 @@ import tempfile
 
 import numpy as np
 
-from jaxrlhf.train.timeline import Phase, summarize
+from jaxrlhf.train.timeline import CpuSample, Phase, host_cores, summarize
 
 PLACEMENTS = {
     "sync": {
@@ -105,6 +107,7 @@ def measure(mode: str, seed: int, args: argparse.Namespace, root: str) -> dict:
     timed = [p for p in phases if p.group == "learner" and p.name == "update"]
     first = min(p.start for p in phases)
     span = max(p.end for p in timed) - first
+    cpu = [CpuSample(**c) for c in timeline["cpu"] if c["step"] >= args.skip]
     key = "reward/task_mean" if "reward/task_mean" in rows[0] else "reward/mean"
     return {
         "mode": mode,
@@ -113,6 +116,7 @@ def measure(mode: str, seed: int, args: argparse.Namespace, root: str) -> dict:
         "device0_busy": summary["device0/busy_frac"],
         "device1_busy": summary["device1/busy_frac"],
         "overlap": summary["overlap_frac"],
+        "host_cores": host_cores(cpu),
         "reward_curve": [r[key] for r in rows],
         "final_reward": float(np.mean([r[key] for r in rows[-5:]])),
         "staleness_max": max(r.get("rollout/staleness", 0.0) for r in rows),
@@ -137,7 +141,8 @@ def main() -> None:
                 print(
                     f"{mode:>5} seed {seed}: {r['it_per_s']:.2f} it/s, busy device0 "
                     f"{r['device0_busy']:.0%} device1 {r['device1_busy']:.0%}, overlap "
-                    f"{r['overlap']:.0%}, final task reward {r['final_reward']:.3f}, "
+                    f"{r['overlap']:.0%}, host cores busy {r['host_cores']:.2f}, final task reward "
+                    f"{r['final_reward']:.3f}, "
                     f"max staleness {r['staleness_max']:.0f}",
                     flush=True,
                 )

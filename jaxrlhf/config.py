@@ -66,7 +66,7 @@ from jaxrlhf.train.config import (
     SFTConfig,
     TrainConfig,
 )
-from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout, rl_layout
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout, rl_layout, score_layout
 
 if TYPE_CHECKING:  # models/ is loaded only when a model config is resolved
     from jaxrlhf.models.config import ModelConfig
@@ -559,6 +559,9 @@ class RunLayout:
         None: the sampler uses the training mesh.
       num_micro: gradient-accumulation micro-batches per update (RL: per minibatch).
       rl: the RL sizes (PPO and GRPO), else None.
+      reference_rl: ``placement.reference: sampler``: the reference forward's scoring sizes
+        on the sampler's data shards (:func:`~jaxrlhf.train.rl_config.score_layout`), else
+        None.
     """
 
     model: ModelConfig
@@ -569,6 +572,7 @@ class RunLayout:
     generate_shards: int | None
     num_micro: int
     rl: RLLayout | None = None
+    reference_rl: RLLayout | None = None
 
 
 def _fail_with_field(ctx: _Context, message: str) -> typing.NoReturn:
@@ -792,6 +796,35 @@ def _check_staleness(cfg: RunConfig, ctx: _Context) -> None:
         )
 
 
+def _reference_layout(cfg: RunConfig, sampler_shards: int | None, ctx: _Context) -> RLLayout | None:
+    """``placement.reference: sampler``: the reference forward's sizes on the sampler's data
+    shards; not with a Hydra or LoRA policy (their reference is part of the learner's
+    weights) nor with streamed scoring (it runs the reference on the learner's devices)."""
+    if cfg.placement.reference != "sampler":
+        return None
+    algo = rl_section(cfg)
+    if cfg.algorithm == "ppo" and cfg.ppo.hydra:
+        ctx.fail(
+            "placement.reference",
+            "sampler: a Hydra critic's reference is the shared trunk on the learner's devices",
+        )
+    if cfg.lora is not None:
+        ctx.fail(
+            "placement.reference",
+            "sampler: a LoRA policy's reference is its frozen base on the learner's devices",
+        )
+    if algo.rollout.engine == "continuous" and algo.rollout.stream_scoring:
+        ctx.fail(
+            "placement.reference",
+            f"sampler: streamed scoring runs the reference on the learner's devices while the "
+            f"engine decodes; set {cfg.algorithm}.rollout.stream_scoring: false",
+        )
+    try:
+        return score_layout(algo, cfg.algorithm, sampler_shards)
+    except ValueError as e:
+        ctx.fail("placement.reference", f"sampler: {e} (the sampler's data shards)")
+
+
 def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Context) -> None:
     """The rollout engine's slots split over the sampler's data shards; one process."""
     rollout = rl_section(cfg).rollout
@@ -904,11 +937,13 @@ def validate(
             logger.warning("%s: %s", ctx.source_of(f"{cfg.algorithm}.rollout"), note)
         _check_engine(cfg, generate or shards, devices, ctx)
         _check_staleness(cfg, ctx)
+        reference_rl = _reference_layout(cfg, generate, ctx)
         if cfg.placement.strategy == "interleaved":  # the critic's values are scored apart
             rl = dataclasses.replace(rl, reuse_value_forward=False)
         num_micro = rl.num_micro
     else:
         num_micro = _supervised_micro_batches(cfg, shards, ctx)
+        reference_rl = None
     return RunLayout(
         model=model_cfg,
         devices=devices,
@@ -918,6 +953,7 @@ def validate(
         generate_shards=generate,
         num_micro=num_micro,
         rl=rl,
+        reference_rl=reference_rl,
     )
 
 

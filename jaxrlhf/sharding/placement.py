@@ -33,7 +33,10 @@ Strategies (``strategy``) put roles on device groups of their own:
   critic, reward model) on the ``learner`` group (default: every device the sampler does not
   take), disjoint. The policy's weights go to the sampler with ``jax.device_put`` after each
   update, or every ``weight_sync_every`` updates; with ``rollout.max_staleness >= 1`` the
-  sampler then generates the next batches while the learner trains.
+  sampler then generates the next batches while the learner trains. With ``reference:
+  sampler`` the frozen reference's forward runs on the sampler's group too, right after
+  each batch is sampled (its copy of the reference is placed there once): the learner,
+  usually the busier side, keeps only the policy's (and critic's) work.
 * ``interleaved`` (PPO): the critic on a ``critic`` group of its own, the policy and the
   reference on the ``learner`` group (the sampler on its ``sampler`` group if one is given,
   else on the learner's): the critic's value forward and update run while the policy's
@@ -64,6 +67,7 @@ from jaxrlhf.sharding.mesh import MeshConfig, MeshError, make_mesh, resolve_mesh
 _ALL = -1
 STRATEGIES = ("colocated", "separated", "interleaved")
 ROLE_GROUPS = ("sampler", "learner", "critic")
+REFERENCE_PLACES = ("learner", "sampler")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +117,10 @@ class PlacementConfig:
       weight_sync_every: the sampler gets the policy's weights after every this many updates
         (1: each; more: the sampler samples with weights up to that many versions old, which
         ``loss.rollout_correction`` can correct).
+      reference: where the frozen reference's scoring forward runs: ``learner`` (with the
+        other scoring forwards) or ``sampler`` (``separated`` only: on the sampler's group,
+        after each batch is sampled, so the learner's devices do less; a second copy of the
+        reference lives on the sampler's devices).
     """
 
     cpu_devices: int | None = None
@@ -123,8 +131,18 @@ class PlacementConfig:
     learner: DeviceGroup | None = None
     critic: DeviceGroup | None = None
     weight_sync_every: int = 1
+    reference: str = "learner"
 
     def __post_init__(self) -> None:
+        if self.reference not in REFERENCE_PLACES:
+            raise ValueError(
+                f"reference: expected one of {list(REFERENCE_PLACES)}, got {self.reference!r}"
+            )
+        if self.reference == "sampler" and self.strategy != "separated":
+            raise ValueError(
+                "reference: sampler runs the reference on the sampler's own devices; it needs "
+                f"strategy: separated (got {self.strategy})"
+            )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {list(STRATEGIES)}, got {self.strategy!r}")
         if self.weight_sync_every < 1:

@@ -385,8 +385,9 @@ def mesh_devices(mesh: MeshConfig) -> int | None:
 
 def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
     """Devices the whole run needs, or None when a -1 (fill) axis leaves it open: the
-    sampler's own mesh if it has one; with role groups, ``cpu_devices`` or every device the
-    groups name; else the training mesh (its ``train_devices``)."""
+    sampler's own mesh if it has one; with role groups, ``cpu_devices`` or, when every group
+    (the learner's included) lists its devices, every device they name; else the training mesh
+    (its ``train_devices``)."""
     if placement.generate_mesh is not None:
         return mesh_devices(placement.generate_mesh)
     if placement.strategy != "colocated":  # role groups: every device they name
@@ -398,9 +399,11 @@ def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
             if group is not None
             for i in group.devices
         ]
-        if named and all(g is None or g.devices for g in (placement.sampler, placement.critic)):
+        groups = (placement.sampler, placement.learner, placement.critic)
+        listed = placement.learner is not None and all(g is None or g.devices for g in groups)
+        if named and listed:
             return max(named) + 1
-        return None
+        return None  # a fraction, or the learner taking the rest: every device there is
     if placement.train_devices != -1:
         return placement.train_devices
     return mesh_devices(mesh)

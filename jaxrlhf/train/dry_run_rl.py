@@ -250,6 +250,9 @@ def _plan_score(pl, programs, held, models, rm_params):
         lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
         abstract_rows(rows, length, packed=packed is not None),
     )
+    if programs.sampler_reference is not None:
+        batch = batch.replace(ref_logprobs=sds((rows, length), jnp.float32, programs.rows(2)))
+        _plan_sampler_reference(pl, programs, held, rows, length)
     if rm_params is not None:
         args = (rm_params, batch.tokens, batch.mask, batch.packing, packed)
         micro = programs.layout.rl.score_micro
@@ -288,6 +291,27 @@ def _plan_score(pl, programs, held, models, rm_params):
     return batch, scored
 
 
+def _plan_sampler_reference(pl, programs, held, rows: int, length: int) -> None:
+    """``placement.reference: sampler``: the reference's forward on the sampler's mesh, on
+    the rollout's rows split over its data shards (packed at the largest size)."""
+    packed = programs.sampler_planner.score_rows or None
+    batch = jax.tree.map(
+        lambda x: sds(x.shape, x.dtype, programs.sampler_rows(x.ndim)),
+        abstract_rows(rows, length, packed=packed is not None),
+    )
+    abstract, shardings = pl.trees["reference.params"]
+    ref = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
+    pl.compile(
+        "generate",
+        "reference",
+        programs.sampler_reference,
+        (ref, batch, packed),
+        live=held,
+        passed=["reference.params"],
+        runs=programs.sampler_planner.score_micro,  # map_micro's scan body is one micro-batch
+    )
+
+
 def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple, list]:
     """Registers the learners' trees (LoRA: adapters, optimizer and frozen bases; a critic
     from the policy shares the policy's base) and the reference (LoRA: the policy's base).
@@ -298,9 +322,19 @@ def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple,
     policy_lora, value_lora = programs.policy_lora, programs.value_lora
     if policy_lora is None:
         policy = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
-        ref = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
         held = ["policy.params", "policy.opt", "reference.params"]
-        models, passed = [policy.params, ref], ["policy.params", "reference.params"]
+        if programs.sampler_reference is None:
+            ref = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
+            models, passed = [policy.params, ref], ["policy.params", "reference.params"]
+        else:  # placement.reference: sampler; the score program reads its log-probs
+            pl.frozen(
+                "reference",
+                pl.model_cfg,
+                "lm",
+                programs.sampler_reference_shardings,
+                "on the sampler's devices",
+            )
+            models, passed = [policy.params, None], ["policy.params"]
         frozen = [None]
     else:
         policy, base = pl.lora(

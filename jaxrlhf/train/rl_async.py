@@ -9,8 +9,9 @@ refreshes the sampler's weights when due (every ``weight_sync_every`` updates, a
 drain points), launches every rollout whose bound the sampler's version meets, then waits
 for rollout ``i``; with ``k >= 1`` the launched ones run on a host thread (sampling on
 the sampler's devices, rewards on the host) while the main thread scores and updates: the
-two device groups work at once. With ``k = 0`` each rollout runs inline right before its
-update, which is the synchronous iteration, bit for bit.
+two device groups work at once (with ``placement.reference: sampler`` the thread also scores
+the reference's log-probs on the sampler's devices). With ``k = 0`` each rollout runs inline
+right before its update, which is the synchronous iteration, bit for bit.
 
 The sampler's weights are a copy (``jax.device_put`` to its layout, timed as ``sync``) the
 update cannot donate away, so a producer may hold it across updates; with
@@ -178,6 +179,10 @@ class RolloutProducer:
             start = self.timeline.now()
             rollout, sample_timings, forwards = trainer.sample(key, prompts, params)
             self.timeline.record("sample", "sampler", j, start, self.timeline.now())
+            if trainer.programs.sampler_reference is not None:  # placement.reference: sampler
+                start = self.timeline.now()
+                rollout, sample_timings["time/reference_s"] = trainer.reference_on_sampler(rollout)
+                self.timeline.record("reference", "sampler", j, start, self.timeline.now())
             return rollout, {**timings, **sample_timings}, forwards
 
         pending = Pending(j, version, state)

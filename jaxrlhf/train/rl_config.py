@@ -538,6 +538,29 @@ class RLLayout:
     notes: tuple[str, ...] = ()
 
 
+def score_layout(algo: PPOConfig | GRPOConfig, section: str, shards: int) -> RLLayout:
+    """The scoring part of :func:`rl_layout` on a mesh of ``shards`` data shards (the
+    reference's forward on the sampler's group, ``placement.reference: sampler``): scoring
+    micro-batches, prompt groups and packed rows; no update.
+
+    Raises:
+      ValueError: ``"field.path: problem"`` when the rollout does not split into the scoring
+        micro-batches over the shards.
+    """
+    score_micro = _score_micro_batches(algo, section, shards)
+    groups, _ = _group_sizes(algo, section, shards, 1, score_micro)
+    packing, _ = _pack_sizes(algo, section, shards, 1, score_micro)
+    return RLLayout(
+        num_micro=1,
+        score_micro=score_micro,
+        groups=GroupSizes(groups.score, 1),
+        reuse_policy_forward=False,
+        reuse_value_forward=False,
+        updates=0,
+        packing=PackSizes(score=packing.score),
+    )
+
+
 def reuses_policy_forward(cfg: PolicyLossConfig, num_micro: int) -> bool:
     """Whether the update's forward can stand in for the separate old-log-prob forward.
 

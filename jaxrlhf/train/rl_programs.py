@@ -123,6 +123,12 @@ class RLPrograms:
         the critic mesh (rows sequence-packed by scoring's plan, like ``score``).
       update_value: interleaved: the critic's ``update`` on its mesh (same shuffling key,
         same minibatches, same packing plan: the joint update's math).
+      sampler_reference: ``placement.reference: sampler``: ``(ref_params, rows, packed_rows)
+        -> [N, T]`` the reference's log-probs on the sampler's mesh (rows sequence-packed by
+        ``sampler_planner``'s scoring plan), else None; ``score`` then reads them from the
+        rows.
+      sampler_reference_shardings: the reference's parameter shardings on the sampler's mesh.
+      sampler_planner: the sampler-side reference forward's packing plans (its data shards).
     """
 
     algo: PPOConfig | GRPOConfig
@@ -152,6 +158,21 @@ class RLPrograms:
     critic_mesh: Mesh | None = None
     score_values: Callable[..., jax.Array] | None = None
     update_value: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]] | None = None
+    sampler_reference: Callable[..., jax.Array] | None = None
+    sampler_reference_shardings: Any = None
+    sampler_planner: PackingPlanner | None = None
+
+    def sampler_rows(self, ndim: int) -> NamedSharding:
+        """Rollout rows split over the sampler mesh's data shards (score rules)."""
+        return steps.batch_sharding(self.sampler.mesh, rules_for("policy", "score"), ndim)
+
+    def sampler_reference_logprobs(self, ref_params: Any, tokens: Any, mask: Any) -> np.ndarray:
+        """[N, T] the reference's log-probs of the host rows on the sampler's mesh
+        (``ref_params`` placed there), packed as its planner plans, back on the host."""
+        plan = self.sampler_planner.score(tokens, mask)
+        rows = RolloutRows(tokens, mask, mask, None if plan is None else plan.packing)
+        rows = put_global(rows, jax.tree.map(lambda x: self.sampler_rows(np.ndim(x)), rows))
+        return to_host(self.sampler_reference(ref_params, rows, plan and plan.rows))
 
     def critic_rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the critic mesh's data shards (``interleaved``)."""
@@ -235,10 +256,46 @@ def _reference(
     return forward, param_shardings(model, mesh, rules), model_lib.abstract_params(model)
 
 
+def _sampler_reference_program(
+    ref_rl: RLLayout, model: ModelConfig, mesh: Mesh, shards: int, r: int
+) -> tuple[Callable[..., jax.Array], Any]:
+    """``placement.reference: sampler``: the reference's scoring forward on the sampler's
+    ``mesh`` (``shards`` data shards, ``ref_rl``'s micro-batches, groups and packed rows):
+    ``(ref_params, rows, packed_rows) -> [N, T]`` log-probs, and the params' shardings."""
+    rules, row_rules = rules_for("reference", "score"), rules_for("policy", "score")
+    forward = phase_forward(
+        RolloutForward(build_sharded(model, mesh, rules, "lm"), r),
+        ref_rl.groups.score,
+        ref_rl.packing.score,
+        shards,
+    )
+    params_sh = param_shardings(model, mesh, rules)
+    rows2 = steps.batch_sharding(mesh, row_rules, 2)
+
+    def logprobs(params: Any, rows: RolloutRows, packed_rows: int | None = None) -> jax.Array:
+        f = forward.with_packed_rows(packed_rows)
+        return map_micro(
+            lambda x: f.logprobs(params, x.tokens, x.mask, x.packing)[0],
+            rows,
+            ref_rl.score_micro,
+            mesh,
+            row_rules,
+            ref_rl.groups.score,
+        )
+
+    program = jax.jit(
+        logprobs,
+        in_shardings=(params_sh, RolloutRows(rows2, rows2, rows2, None)),
+        out_shardings=rows2,
+        static_argnums=2,  # packed_rows
+    )
+    return program, params_sh
+
+
 def _scoring(
     algo: PPOConfig | GRPOConfig,
     rl: RLLayout,
-    reference: RolloutForward,
+    reference: RolloutForward | None,
     policy: steps.Learner,
     value: steps.Learner | None,
     joint: RolloutForward | None,
@@ -250,7 +307,8 @@ def _scoring(
     sequences (``rl.packing.score`` rows per shard of ``shards``). Old log-probs and values
     come from the learners' own (train-rule) modules, so the first minibatch's forward is
     the scoring forward's computation (its ratio is 1). ``critic_apart``: the critic's values
-    are scored on its own mesh (``interleaved``), not here."""
+    are scored on its own mesh (``interleaved``), not here. ``reference`` None: the rows
+    carry the reference's log-probs (``placement.reference: sampler``)."""
     group = rl.groups.score
 
     def scoring(forward: RolloutForward | None) -> RolloutForward | None:
@@ -307,6 +365,16 @@ def build_rl_programs(
     value_sh = None if value_setup is None else value_setup.shardings
     score_rules = rules_for("policy", "score")
     reference, ref_sh, ref_abstract = _reference(model, mesh, policy_setup, hydra, r)
+    sampler_reference = sampler_ref_sh = sampler_planner = None
+    if layout.reference_rl is not None:  # placement.reference: sampler
+        shards = generate_mesh.shape["data"] * generate_mesh.shape["fsdp"]
+        sampler_reference, sampler_ref_sh = _sampler_reference_program(
+            layout.reference_rl, model, generate_mesh, shards, r
+        )
+        sampler_planner = PackingPlanner.of(
+            algo, layout.reference_rl, shards, cfg.data.max_prompt_length
+        )
+        reference = None
     joint = None
     if hydra is not None:
         joint = hydra_forward(model, mesh, TRAIN, hydra.branch_layer, HYDRA_HEADS, r, 1)
@@ -324,12 +392,12 @@ def build_rl_programs(
         reward, reward_sh = _reward_program(reward_model, layout, r, mesh)
     model_sh = (
         policy_setup.model_shardings,
-        ref_sh,
+        None if reference is None else ref_sh,  # None: scored on the sampler's mesh
         None if value_setup is None or apart else value_setup.model_shardings,
     )
     abstract_models = (
         policy_setup.abstract_model,
-        ref_abstract,
+        None if reference is None else ref_abstract,
         None if value_setup is None else value_setup.abstract_model,
     )
     sampler = Sampler(model, generate_mesh, matmul_block=matmul_block)
@@ -371,6 +439,9 @@ def build_rl_programs(
         critic_mesh=critic_mesh,
         score_values=score_values,
         update_value=update_value,
+        sampler_reference=sampler_reference,
+        sampler_reference_shardings=sampler_ref_sh,
+        sampler_planner=sampler_planner,
     )
 
 

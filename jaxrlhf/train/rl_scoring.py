@@ -50,7 +50,7 @@ class Scoring:
     """
 
     algo: PPOConfig | GRPOConfig
-    reference: RolloutForward
+    reference: RolloutForward | None  # None: the rows carry them (placement.reference)
     policy: RolloutForward | None  # None: reuse_policy_forward
     value: RolloutForward | None  # None: GRPO, or reuse_value_forward
     has_critic: bool
@@ -76,7 +76,10 @@ class Scoring:
         scoring = self.with_packed_rows(packed_rows)
 
         def run(r: RolloutRows) -> Scored:
-            ref, _ = scoring.reference.logprobs(ref_params, r.tokens, r.mask, r.packing)
+            if scoring.reference is None:
+                ref = r.ref_logprobs  # scored on the sampler's group
+            else:
+                ref, _ = scoring.reference.logprobs(ref_params, r.tokens, r.mask, r.packing)
             old = values = None
             if (
                 scoring.joint is not None
@@ -188,9 +191,12 @@ def score_program(
     rows2, rows1 = steps.batch_sharding(mesh, rules, 2), steps.batch_sharding(mesh, rules, 1)
     replicated = NamedSharding(mesh, P())
     r = scoring.algo.rollout
-    packing = scoring.reference.packing
+    forwards = (scoring.reference, scoring.policy, scoring.value, scoring.joint)
+    packing = next((f.packing for f in forwards if f is not None), None)
     length = cfg.data.max_prompt_length + r.max_new_tokens
     rows = abstract_rows(r.rows, length, packed=packing is not None)
+    if scoring.reference is None:
+        rows = rows.replace(ref_logprobs=jax.ShapeDtypeStruct((r.rows, length), jnp.float32))
     abstract = jax.eval_shape(
         functools.partial(scoring, packed_rows=None if packing is None else packing.rows),
         *abstract_models,

@@ -57,6 +57,7 @@ from jaxrlhf.rewards import (
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
+from jaxrlhf.sharding.reshard import reshard
 from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
@@ -92,7 +93,8 @@ class RLTrainer:
       reward_fn: the programmatic reward, or None with a reward model (``rm_params``).
       task_fn: the built-in task's reward (logged whatever drives RL), or None.
       policy_state, value_state: the learners' states (value None for GRPO).
-      ref_params, rm_params: the frozen reference and reward model (rm None: a function).
+      ref_params, rm_params: the frozen reference (None: it lives on the sampler's devices,
+        ``sampler_ref_params``) and reward model (rm None: a function).
       kl_state: the KL controller.
       policy_frozen, value_frozen: the LoRA learners' frozen bases (``lora:``), else None;
         the reference is then ``policy_frozen`` itself.
@@ -103,6 +105,8 @@ class RLTrainer:
       last_scored: the last iteration's scored arrays, with what the update's forwards
         computed in place of scoring filled in (for inspection: tests, notebooks).
       env_factory: ``rollout.environment``'s factory (multi-turn episodes), or None.
+      sampler_ref_params: ``placement.reference: sampler``: the reference's copy on the
+        sampler's mesh (placed once), else None.
       timeline: when each phase ran on which devices (``jaxrlhf.train.timeline``).
       producer: launches the rollouts, ahead of the learner with ``rollout.max_staleness``
         (``jaxrlhf.train.rl_async``).
@@ -126,6 +130,7 @@ class RLTrainer:
     steps_done: int = 0
     last_scored: Scored | None = None
     env_factory: EnvFactory | None = None
+    sampler_ref_params: Any = None
     timeline: Timeline | None = None
     producer: RolloutProducer | None = None
 
@@ -232,7 +237,18 @@ class RLTrainer:
             "reshard/bytes_moved": float(stats.bytes_moved),
         }
         rollout, more, forwards = self.sample(key, host_prompts, gen_params)
+        if self.programs.sampler_reference is not None:
+            rollout, more["time/reference_s"] = self.reference_on_sampler(rollout)
         return rollout, {**timings, **more}, forwards
+
+    def reference_on_sampler(self, rollout: Rollout) -> tuple[Rollout, float]:
+        """``placement.reference: sampler``: ``rollout`` with the reference's log-probs of
+        its rows, computed on the sampler's mesh; and the seconds it took."""
+        start = time.perf_counter()
+        ref = self.programs.sampler_reference_logprobs(
+            self.sampler_ref_params, rollout.tokens, rollout.mask
+        )
+        return rollout.replace(ref_logprobs=ref), time.perf_counter() - start
 
     def sample(
         self, key: jax.Array, host_prompts: dict[str, np.ndarray], gen_params: Any
@@ -523,7 +539,9 @@ class RLTrainer:
         reward_cfg = self.algo.reward
         rows = programs.put_rows(
             rollout.device_rows.replace(
-                packing=plan and plan.packing, turn_rewards=rollout.turn_rewards
+                packing=plan and plan.packing,
+                turn_rewards=rollout.turn_rewards,
+                ref_logprobs=rollout.ref_logprobs,
             )
         )
         shaped = shape_scores(rollout.scores, normalize=reward_cfg.normalize, clip=reward_cfg.clip)
@@ -823,6 +841,15 @@ def build_rl_trainer(
     rm_params = None
     if rm_cfg is not None:
         rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
+    ref_params, sampler_ref = states.reference, None
+    if programs.sampler_reference is not None:  # the frozen reference moves, once
+        sampler_ref, stats = reshard(states.reference, programs.sampler_reference_shardings)
+        ref_params = None  # the learner's devices no longer hold it
+        logger.info(
+            "placement.reference: sampler: the reference's copy on the sampler's devices "
+            "(%.1f MiB moved once)",
+            stats.bytes_moved / 2**20,
+        )
     return RLTrainer(
         cfg=cfg,
         programs=programs,
@@ -838,7 +865,7 @@ def build_rl_trainer(
         task_fn=task_fn,
         policy_state=states.policy,
         value_state=states.value,
-        ref_params=states.reference,
+        ref_params=ref_params,
         rm_params=rm_params,
         kl_state=kl_controller(algo),
         key=run_key,
@@ -846,4 +873,5 @@ def build_rl_trainer(
         value_frozen=states.value_frozen,
         sampler_base=sampler_base,
         env_factory=env_factory,
+        sampler_ref_params=sampler_ref,
     )

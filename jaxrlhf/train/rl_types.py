@@ -46,6 +46,9 @@ class Rollout:
         last model token of the turns they answered (rows sum to the episodes' rewards,
         which ``scores`` include; not with ``reward.normalize``, which scales only the
         totals), or None: the whole score is paid on the last token.
+      ref_logprobs: [N, T] float32, each response token's log-prob under the frozen
+        reference (0 before the response, as scoring computes them), scored on the sampler's
+        group (``placement.reference: sampler``), or None: scoring computes them.
     """
 
     tokens: Int[Array, "N T"]
@@ -57,6 +60,7 @@ class Rollout:
     scores: Float[Array, " N"]
     task_scores: Float[Array, " N"] | None = None
     turn_rewards: Float[Array, "N T"] | None = None
+    ref_logprobs: Float[Array, "N T"] | None = None
 
     @property
     def rows(self) -> int:
@@ -82,6 +86,8 @@ class RolloutRows:
         when scoring packs sequences (``rollout.pack_sequences``), else None.
       turn_rewards: [N, T] the rollout's ``turn_rewards``, for PPO's per-token rewards; or
         None.
+      ref_logprobs: [N, T] the rollout's ``ref_logprobs`` (scored on the sampler's group),
+        which scoring then takes as they are; or None.
     """
 
     tokens: Int[Array, "N T"]
@@ -89,6 +95,7 @@ class RolloutRows:
     response_mask: Bool[Array, "N T"]
     packing: RowPacking | None = None
     turn_rewards: Float[Array, "N T"] | None = None
+    ref_logprobs: Float[Array, "N T"] | None = None
 
 
 def concatenate(rollouts: list[Rollout]) -> Rollout:

@@ -8,6 +8,13 @@ device group's busy fraction (the union of its phases' intervals over the span),
 fraction, and the fraction of the span in which the sampler and the learner were busy at
 once (their overlap). The loop writes ``timeline.json`` and ``timeline.png`` to the run
 directory.
+
+A device's busy fraction says a program was running on it, not how much of the machine it
+used: on a CPU host every JAX device's programs share the host's cores (XLA:CPU runs a
+one-device program's operations on threads of one pool), so the timeline also samples the
+process's CPU time (``time.process_time``, every thread's user and system seconds) whenever
+a phase ends: :func:`host_cores` is the cores the process kept busy, on average, between
+two samples.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ class Phase:
     """One recorded piece of work.
 
     Attributes:
-      name: ``sample``, ``sync``, ``score`` or ``update``.
+      name: ``sample``, ``reference`` (its forward on the sampler's group), ``sync``,
+        ``score`` or ``update``.
       group: the device group it ran on (``sampler`` or ``learner``).
       step: the iteration (rollout index for ``sample``) it belongs to.
       start, end: seconds since the timeline started.
@@ -44,13 +52,25 @@ class Phase:
     devices: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuSample:
+    """The process's CPU seconds (all threads, user + system) at ``wall`` seconds since the
+    timeline started, and the step of the phase whose end took it."""
+
+    wall: float
+    cpu: float
+    step: int
+
+
 class Timeline:
-    """A thread-safe recorder of :class:`Phase` entries (the producer thread records too)."""
+    """A thread-safe recorder of :class:`Phase` entries (the producer thread records too)
+    and of the process's CPU time at each phase's end (:class:`CpuSample`)."""
 
     def __init__(self, groups: dict[str, tuple[int, ...]]):
         self.groups = groups
         self.origin = time.perf_counter()
         self.phases: list[Phase] = []
+        self.cpu: list[CpuSample] = []
         self._lock = threading.Lock()
 
     def now(self) -> float:
@@ -58,16 +78,22 @@ class Timeline:
 
     def record(self, name: str, group: str, step: int, start: float, end: float) -> None:
         phase = Phase(name, group, step, start, end, self.groups[group])
+        sample = CpuSample(self.now(), time.process_time(), step)
         with self._lock:
             self.phases.append(phase)
+            self.cpu.append(sample)
 
     def to_json(self) -> dict[str, Any]:
         with self._lock:
-            phases = list(self.phases)
+            phases, cpu = list(self.phases), list(self.cpu)
+        summary = summarize(phases, self.groups)
+        if len(cpu) > 1:
+            summary["host/cpu_cores"] = host_cores(cpu)
         return {
             "groups": {k: list(v) for k, v in self.groups.items()},
             "phases": [dataclasses.asdict(p) for p in phases],
-            "summary": summarize(phases, self.groups),
+            "cpu": [dataclasses.asdict(c) for c in cpu],
+            "summary": summary,
         }
 
     def write(self, run_dir: str, *, plot: bool = True) -> str:
@@ -80,6 +106,13 @@ class Timeline:
         if plot and data["phases"]:
             plot_timeline(data, os.path.join(run_dir, TIMELINE_PLOT))
         return path
+
+
+def host_cores(samples: Sequence[CpuSample]) -> float:
+    """The cores the process kept busy on average from the first sample to the last: CPU
+    seconds over wall seconds (2.0 = two cores all the time)."""
+    first, last = min(samples, key=lambda c: c.wall), max(samples, key=lambda c: c.wall)
+    return (last.cpu - first.cpu) / max(last.wall - first.wall, 1e-12)
 
 
 def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
@@ -144,7 +177,12 @@ def plot_timeline(data: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    colors = {"sample": "tab:blue", "sync": "tab:purple", "score": "tab:orange"}
+    colors = {
+        "sample": "tab:blue",
+        "reference": "tab:cyan",
+        "sync": "tab:purple",
+        "score": "tab:orange",
+    }
     devices = sorted({d for ids in data["groups"].values() for d in ids})
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.4 * len(devices)))
     for p in data["phases"]:
@@ -158,7 +196,8 @@ def plot_timeline(data: dict[str, Any], path: str) -> str | None:
     ax.set_xlabel("seconds")
     summary = data["summary"]
     ax.set_title(
-        "timeline: sample (blue), sync (purple), score (orange), update (green); "
+        "timeline: sample (blue), reference (cyan), sync (purple), score (orange), "
+        "update (green); "
         f"overlap {summary.get('overlap_frac', 0.0):.0%}",
         fontsize=9,
     )

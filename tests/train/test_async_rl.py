@@ -59,6 +59,73 @@ def test_separated_does_the_colocated_math(fast_compile, tmp_path):
         np.testing.assert_allclose(out["colocated"][1][key], out["separated"][1][key], atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("algo", "overrides"),
+    [
+        ("grpo", ("grpo.loss.kl_coef=0.1", "grpo.loss.num_minibatches=2")),
+        (
+            "ppo",
+            (
+                "ppo.loss.kl_mode=reward",
+                "ppo.loss.kl_coef=0.1",
+                "ppo.loss.num_minibatches=2",
+                "ppo.rollout.num_samples=4",
+            ),
+        ),
+    ],
+    ids=["grpo-kl-loss", "ppo-kl-reward"],
+)
+def test_reference_on_the_sampler_does_the_colocated_math(fast_compile, tmp_path, algo, overrides):
+    """``placement.reference: sampler``: the reference's log-probs scored on the sampler's
+    devices (0-3) after sampling, the learner (4-7) holding no copy of it. Its log-probs equal
+    the colocated scoring's (all 8 devices) on every response token and the same rollout
+    gives the same update, to 1e-5 (the same forward on another sharding and packing:
+    rounding differs in the last bits)."""
+    sampler_ref = (*SEPARATED, "placement.reference=sampler")
+    cfg, src = _config(_dir(tmp_path / "apart"), algo, *overrides, *sampler_ref)
+    apart = build_rl_trainer(cfg, source=src)
+    assert apart.ref_params is None
+    devices = {d.id for x in jax.tree.leaves(apart.sampler_ref_params) for d in x.devices()}
+    assert devices == {0, 1, 2, 3}
+    rollout, timings = apart.rollout(jax.random.key(1))
+    assert rollout.ref_logprobs is not None and timings["time/reference_s"] > 0
+    apart_metrics = apart.learn(rollout, jax.random.key(2))
+
+    cfg, src = _config(_dir(tmp_path / "colocated"), algo, *overrides)
+    colocated = build_rl_trainer(cfg, source=src)
+    metrics = colocated.learn(rollout.replace(ref_logprobs=None), jax.random.key(2))
+    scored = jax.device_get(colocated.last_scored.ref_logprobs)
+    resp = rollout.response_mask  # past a response's end a padded forward's values are unread
+    np.testing.assert_allclose(rollout.ref_logprobs * resp, scored * resp, atol=1e-5)
+    assert np.abs(rollout.ref_logprobs * resp).min(where=resp, initial=np.inf) > 0
+    params = [jax.device_get(t.policy_state.params) for t in (colocated, apart)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *params)
+    for key in ("loss/policy", "kl/seq_mean", "policy/clip_frac"):
+        np.testing.assert_allclose(metrics[key], apart_metrics[key], atol=1e-5)
+
+
+def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_path):
+    """With staleness 1 the sampler's thread scores the reference after each batch: the
+    timeline holds its phase on the sampler's device and a staleness-1 run trains."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        *ASYNC,
+        "train.steps=3",
+        "grpo.loss.kl_coef=0.1",
+        "grpo.rollout.max_staleness=1",
+        "placement.reference=sampler",
+    )
+    result = loop.run(cfg, source=src)
+    rows = _history(result.run_dir)
+    assert [int(r["rollout/staleness"]) for r in rows] == [0, 1, 1]
+    assert all(r["time/reference_s"] > 0 and np.isfinite(r["kl/seq_mean"]) for r in rows)
+    timeline = json.load(open(os.path.join(result.run_dir, TIMELINE_FILE)))
+    phases = [p for p in timeline["phases"] if p["name"] == "reference"]
+    assert len(phases) == 3 and all(p["devices"] == [0] for p in phases)
+    assert timeline["summary"]["host/cpu_cores"] > 0
+
+
 @pytest.mark.parametrize("models", [(), ("lora.rank=4",)], ids=["full", "lora"])
 def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
     """PPO with the critic on device 1 (its value forward and update there, the update from a
@@ -207,6 +274,34 @@ def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile
         (
             ["grpo.dynamic_sampling=true", "grpo.rollout.max_staleness=1"],
             "dynamic_sampling: refills sample on demand",
+        ),
+        (
+            ["placement.reference=sampler"],
+            "placement.reference: sampler runs the reference on the sampler's own devices; "
+            "it needs strategy: separated",
+        ),
+        (["placement.reference=critic"], "placement.reference: expected one of"),
+        (
+            [*SEPARATED, "placement.reference=sampler", "lora.rank=4"],
+            "placement.reference: sampler: a LoRA policy's reference is its frozen base",
+        ),
+        (
+            [
+                *SEPARATED,
+                "placement.reference=sampler",
+                "grpo.rollout.engine=continuous",
+                "grpo.rollout.num_samples=2",
+            ],
+            "placement.reference: sampler: streamed scoring runs the reference on the learner",
+        ),
+        (
+            [
+                *SEPARATED,
+                "placement.learner={devices: [4]}",
+                "placement.reference=sampler",
+                "grpo.rollout.score_micro_batch_size=8",
+            ],
+            "placement.reference: sampler: grpo.rollout.score_micro_batch_size",
         ),
     ],
 )

@@ -226,6 +226,58 @@ def test_packed_grpo_plan_matches_real_run(tmp_path):
         _assert_program_matches(planned[name], rec.memory(name))
 
 
+def test_plan_with_the_reference_on_the_sampler(tmp_path):
+    """``placement.reference: sampler`` (sampler on devices 0-3, learner on 4-7): the dry
+    run plans the reference's forward on the sampler's mesh, its weights on the sampler's
+    devices only, and the score program without them; the real run's programs match."""
+    raw = {
+        "algorithm": "grpo",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny"},
+        "data": {"train": "builtin:sort", "max_length": 32, "max_prompt_length": 16},
+        "mesh": {"data": 1, "fsdp": -1, "tensor": 1},
+        "train": {"steps": 1},
+        "logging": {"progress": "none"},
+        "placement": {
+            "strategy": "separated",
+            "sampler": {"devices": [0, 1, 2, 3]},
+            "reference": "sampler",
+        },
+        "grpo": {
+            "rollout": {
+                "prompts_per_step": 4,
+                "max_new_tokens": 6,
+                "pack_buckets": 1,
+                "shared_prefix": False,
+            },
+            "loss": {"kl_coef": 0.1},
+        },
+    }
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(str(path))
+    report = dry_run.plan(cfg)
+    planned = {p.name: p for p in report.programs}
+    assert list(planned) == ["prefill", "decode", "reference", "score", "update"]
+    reference = next(r for r in report.roles if r.role == "reference")
+    assert "on the sampler's devices" in reference.note
+
+    trainer = build_rl_trainer(cfg)
+    assert trainer.ref_params is None
+    rec = Recorder()
+    trainer.programs = dataclasses.replace(
+        trainer.programs,
+        **{
+            name: rec.wrap(name, getattr(trainer.programs, name))
+            for name in ("sampler_reference", "score", "update")
+        },
+    )
+    trainer.step()
+    for name, real in (("reference", "sampler_reference"), ("score", "score")):
+        _assert_program_matches(planned[name], rec.memory(real))
+    assert planned["score"].argument_bytes < planned["reference"].argument_bytes
+
+
 def test_sft_plan_matches_real_run(tmp_path):
     cfg = helpers.config("tiny_sft", tmp_path, "mesh.fsdp=8", "train.micro_batch_size=2")
     mesh = helpers.mesh(1, 8, 1)
