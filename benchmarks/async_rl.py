@@ -10,6 +10,8 @@ samples) in two placements:
 * ``async``: ``placement.strategy: separated`` (the sampler on device 0, the learner on device
   1) with ``rollout.max_staleness: 1`` and truncated importance weights (cap 2): the sampler
   samples iteration i + 1 with the weights of version i while the learner trains on i.
+* ``async-ref``: ``async`` with ``placement.reference: sampler`` (the reference's forward on
+  the sampler's device, after each batch).
 
 Each run is a ``python -m jaxrlhf.train`` process. Reported per run: iterations per second
 after the first ``--skip`` iterations (compilation), each device's busy fraction over the same
@@ -49,13 +51,20 @@ PLACEMENTS = {
         "sampler": {"devices": [0]},
         "learner": {"devices": [1]},
     },
+    "async-ref": {
+        "cpu_devices": 2,
+        "strategy": "separated",
+        "sampler": {"devices": [0]},
+        "learner": {"devices": [1]},
+        "reference": "sampler",
+    },
 }
 
 
 def run_config(mode: str, seed: int, args: argparse.Namespace, out: str) -> dict:
     rollout = {"prompts_per_step": 16, "num_samples": 4, "max_new_tokens": 10}
     loss = {"epochs": 1, "num_minibatches": 2, "clip_high": 0.28}
-    if mode == "async":
+    if mode.startswith("async"):
         rollout["max_staleness"] = 1
         loss["rollout_correction"] = {"weights": "truncate", "cap": 2.0}
     return {
@@ -130,32 +139,40 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="r3-") as root:
         for seed in args.seeds:
-            for mode in ("sync", "async"):
+            for mode in args.modes:
                 r = measure(mode, seed, args, root)
                 results.append(r)
                 print(
-                    f"{mode:>5} seed {seed}: {r['it_per_s']:.2f} it/s, busy device0 "
+                    f"{mode:>9} seed {seed}: {r['it_per_s']:.2f} it/s, busy device0 "
                     f"{r['device0_busy']:.0%} device1 {r['device1_busy']:.0%}, overlap "
                     f"{r['overlap']:.0%}, host cores busy {r['host_cores']:.2f}, final task reward "
                     f"{r['final_reward']:.3f}, "
                     f"max staleness {r['staleness_max']:.0f}",
                     flush=True,
                 )
-    by = {m: [r for r in results if r["mode"] == m] for m in ("sync", "async")}
-    speed = np.mean([r["it_per_s"] for r in by["async"]]) / np.mean(
-        [r["it_per_s"] for r in by["sync"]]
-    )
-    sync_final = [r["final_reward"] for r in by["sync"]]
+    by = {m: [r for r in results if r["mode"] == m] for m in args.modes}
+    sync_speed = np.mean([r["it_per_s"] for r in by.get("sync", [])] or [np.nan])
+    sync_final = [r["final_reward"] for r in by.get("sync", [])] or [np.nan]
     print(
-        f"async / sync iterations per second: {speed:.2f}x; final task reward sync "
-        f"{np.mean(sync_final):.3f} (range {min(sync_final):.3f}-{max(sync_final):.3f}), async "
-        f"{np.mean([r['final_reward'] for r in by['async']]):.3f}"
+        f"sync: final task reward {np.mean(sync_final):.3f} "
+        f"(range {min(sync_final):.3f}-{max(sync_final):.3f})"
     )
+    for mode in args.modes:
+        if mode == "sync":
+            continue
+        speed = np.mean([r["it_per_s"] for r in by[mode]]) / sync_speed
+        print(
+            f"{mode} / sync iterations per second: {speed:.2f}x; final task reward "
+            f"{np.mean([r['final_reward'] for r in by[mode]]):.3f}; host cores busy "
+            f"{np.mean([r['host_cores'] for r in by[mode]]):.2f} (sync "
+            f"{np.mean([r['host_cores'] for r in by.get('sync', [])] or [np.nan]):.2f})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,6 +1,7 @@
 """The plans the planner considers, as config overlays.
 
-A plan is an overlay of the run config: ``placement`` (strategy, device groups, meshes),
+A plan is an overlay of the run config: ``placement`` (strategy, device groups, meshes, and
+in a separated plan where the reference's forward runs),
 ``mesh`` (the learner's), ``model.remat``, ``train.micro_batch_size`` and the RL section's
 ``rollout.max_staleness``. :func:`layouts` lists the placements and meshes of a cluster;
 :func:`memory_variants` the remat and micro-batch settings tried, cheapest first, when a
@@ -11,6 +12,7 @@ plan (no recompilation: the programs are the same).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +27,7 @@ __all__ = [
     "flat",
     "layouts",
     "memory_variants",
+    "reference_may_move",
     "staleness_variants",
 ]
 
@@ -64,7 +67,8 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
 
     Colocated: every learner mesh, the sampler on the training mesh or on its own
     data x tensor mesh over all devices. Separated (2+ devices): the sampler on the first
-    1/4, 1/2 or 3/4 of the devices, each side's meshes.
+    1/4, 1/2 or 3/4 of the devices, each side's meshes, the reference with the learner and
+    (where the run allows it: :func:`reference_may_move`) on the sampler's devices.
     """
     model = cfg.model.resolve()
     # Every placement field a plan decides is set, so nothing of the run's own placement
@@ -77,7 +81,9 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
         "learner": None,
         "critic": None,
         "weight_sync_every": 1,
+        "reference": "learner",
     }
+    places = ("learner", "sampler") if reference_may_move(cfg) else ("learner",)
     for mesh in _meshes(model, devices):
         yield {"placement": {**base, "strategy": "colocated"}, "mesh": mesh}
         for gen in _sampler_meshes(model, devices):
@@ -87,14 +93,25 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
     splits = sorted({max(1, min(devices - 1, round(devices * f))) for f in (0.25, 0.5, 0.75)})
     for k in splits if devices > 1 else ():
         for smesh in _sampler_meshes(model, k):
-            for lmesh in _meshes(model, devices - k):
+            for lmesh, reference in itertools.product(_meshes(model, devices - k), places):
                 placement = {
                     **base,
                     "strategy": "separated",
                     "sampler": {"devices": list(range(k)), "mesh": smesh},
                     "learner": {"devices": list(range(k, devices)), "mesh": lmesh},
+                    "reference": reference,
                 }
                 yield {"placement": placement, "mesh": lmesh}
+
+
+def reference_may_move(cfg: RunConfig) -> bool:
+    """Whether a separated plan of ``cfg`` may put the reference on the sampler's devices
+    (``placement.reference: sampler``): not with LoRA or a Hydra critic, whose reference is
+    part of the learner's weights, nor with the engine's streamed scoring."""
+    r = rl_section(cfg).rollout
+    hydra = cfg.algorithm == "ppo" and cfg.ppo.hydra
+    streamed = r.engine == "continuous" and r.stream_scoring
+    return cfg.lora is None and not hydra and not streamed
 
 
 def flat(cfg: RunConfig, devices: int, cpu: bool) -> dict[str, Any]:
@@ -184,6 +201,8 @@ def describe(overlay: dict[str, Any], algorithm: str) -> str:
             f"separated sampler {len(s['devices'])}:{shape(s.get('mesh'))} "
             f"learner {len(lrn['devices'])}:{shape(lrn.get('mesh'))}"
         )
+        if p.get("reference") == "sampler":
+            parts.append("reference on the sampler")
         stale = overlay.get(algorithm, {}).get("rollout", {}).get("max_staleness", 0)
         parts.append(f"staleness {stale}")
     else:

@@ -315,7 +315,11 @@ def estimate(
     priced = []
     for phase, name, runs, cost, peak in programs:
         one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
-        seconds = runs * one / model.efficiency_of(phase, spans[phase])
+        # The reference's forward on the sampler's group (placement.reference: sampler) is
+        # a scoring forward in the sampler's time: scoring's efficiency, generate's devices.
+        like = "score" if (phase, name) == ("generate", "reference") else phase
+        span = cost.devices if like != phase else spans[phase]
+        seconds = runs * one / model.efficiency_of(like, span)
         if cluster.shared_host:  # its devices' shards run on the same cores
             seconds *= cost.devices
         priced.append(ProgramEstimate(phase, name, runs, cost, peak, seconds))
@@ -396,7 +400,8 @@ def state_floor(cfg: RunConfig) -> int:
     compiling, on the busiest device group: on the learner's, every trained model's
     parameters and Adam moments at the parameter dtype (3 copies) and every frozen one's
     parameters over its fsdp x tensor shards, plus (colocated) the sampler's copy of the
-    policy where its layout differs; on a separated sampler's, that copy. The sampler keeps
+    policy where its layout differs; on a separated sampler's, that copy (and the reference
+    with ``placement.reference: sampler``, which the learner's then lacks). The sampler keeps
     the policy whole on each data x fsdp replica, sharded over tensor only. 0 for LoRA and
     Hydra runs (their trained part is small; the compile decides)."""
     from jaxrlhf.config import rl_section
@@ -409,18 +414,21 @@ def state_floor(cfg: RunConfig) -> int:
     itemsize = 2 if model.param_dtype in ("bfloat16", "float16") else 4
     lm = model_lib.param_count(model_lib.abstract_params(model))
     scalar = model_lib.param_count(model_lib.abstract_params(model, "scalar"))
-    copies = 3 * lm + lm  # the policy trained, the reference frozen
+    p = cfg.placement
+    ref_apart = p.strategy == "separated" and p.reference == "sampler"
+    copies = 3 * lm + (0 if ref_apart else lm)  # the policy trained, the reference frozen
     if cfg.algorithm == "ppo":
         copies += 3 * scalar  # the critic
     if algo.reward.model_dir is not None:
         copies += scalar  # the reward model (planned with the policy's architecture)
-    p = cfg.placement
     learner = cfg.mesh if p.learner is None or p.learner.mesh is None else p.learner.mesh
     learner_tensor = max(1, learner.tensor)
     learner_bytes = copies * itemsize // (max(1, learner.fsdp) * learner_tensor)
     if p.strategy == "separated":
         sampler = p.sampler.mesh if p.sampler is not None and p.sampler.mesh else None
         copy = lm * itemsize // max(1, sampler.tensor if sampler is not None else 1)
+        if ref_apart:  # and the reference, sharded as the sampler's rules shard it (>= this)
+            copy += lm * itemsize // max(1, (sampler.fsdp * sampler.tensor) if sampler else 1)
         return max(learner_bytes, copy)
     sampler_tensor = max(1, (p.generate_mesh or learner).tensor)
     differs = learner.fsdp > 1 or sampler_tensor != learner_tensor

@@ -19,6 +19,7 @@ from jaxrlhf.plan.estimate import CostModel, PlanEstimate, ScheduleShape
 from jaxrlhf.plan.hardware import DEVICE_SPECS, DeviceSpec, cluster_size, parse_cluster
 from jaxrlhf.plan.simulator import Task, iteration_tasks, simulate
 from jaxrlhf.sharding.reshard import bytes_received
+from jaxrlhf.train.config import LoraConfig
 from jaxrlhf.train.program_cost import ProgramCost, collective_bytes, program_cost, roofline_seconds
 
 # ---- roofline --------------------------------------------------------------------------------
@@ -399,14 +400,20 @@ def cpu_devices():
 
 
 def test_layouts_and_memory_variants_of_the_8b_recipe():
-    """80 layouts of 8 devices for Llama-3-8B (32 heads, 8 KV heads): the recipe's own
+    """80 layouts of 8 devices for Llama-3-8B (32 heads, 8 KV heads), each separated one
+    twice (the reference with the learner or on the sampler's devices): the recipe's own
     (fsdp 4 x tensor 2, the sampler on the training mesh) among them. Its micro-batch is
     already one row and it already uses full remat: no memory variant is left to try."""
     from jaxrlhf.config import load_config
 
     cfg = load_config("configs/recipes/llama3_8b_ppo_8xh100.yaml")
     layouts = list(candidates.layouts(cfg, 8, cpu=False))
-    assert len(layouts) == 80
+    moved = [o for o in layouts if o["placement"]["reference"] == "sampler"]
+    assert len(layouts) - len(moved) == 80 and moved
+    assert all(o["placement"]["strategy"] == "separated" for o in moved)
+    lora = cfg.replace(lora=LoraConfig(rank=4))
+    assert not candidates.reference_may_move(lora)
+    assert len(list(candidates.layouts(lora, 8, cpu=False))) == 80
     own = layouts[candidates.configured(cfg, layouts, 8)]
     assert own["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
     assert own["placement"]["generate_mesh"] is None

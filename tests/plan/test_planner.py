@@ -86,6 +86,37 @@ def test_staleness_overlaps_the_sampler_and_the_learner():
     assert sync.reshard_bytes == 4 * policy
 
 
+def test_the_reference_on_the_sampler_moves_its_forward_to_the_sampler():
+    """``placement.reference: sampler``: the reference's forward is priced on the sampler's
+    side (a ``generate/reference`` program at scoring's efficiency) and leaves the
+    learner's score program; the learner's state floor loses a copy of the policy."""
+    cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 2)
+    model = estimate.CostModel()
+    out = {}
+    for place in ("learner", "sampler"):
+        overlay = merge_configs(_separated(1), {"placement": {"reference": place}})
+        cfg = from_dict(merge_configs(RUN, overlay))
+        out[place] = (cfg, estimate.estimate(cfg, cluster, model))
+    (cfg_l, learner), (cfg_s, sampler) = out["learner"], out["sampler"]
+    forward = next(p for p in sampler.programs if (p.phase, p.name) == ("generate", "reference"))
+    score = {p.name: p for p in learner.programs}["score"]
+    left = {p.name: p for p in sampler.programs}["score"]
+    assert not any(p.name == "reference" for p in learner.programs)
+    # This run's scoring is the reference's forward alone (one minibatch: the update's
+    # forward gives the old log-probs), so it moves whole: the learner's score program
+    # keeps only the advantages.
+    assert forward.cost.flops == pytest.approx(score.cost.flops, rel=0.01)
+    assert left.cost.flops < 0.01 * score.cost.flops
+    moved = forward.seconds
+    assert sampler.phases["generate"] == pytest.approx(learner.phases["generate"] + moved)
+    assert sampler.phases["score"] == pytest.approx(
+        learner.phases["score"] - moved, abs=0.01 * moved
+    )
+    lm = model_lib.param_count(model_lib.abstract_params(cfg_l.model.resolve()))
+    assert estimate.state_floor(cfg_l) - estimate.state_floor(cfg_s) == 4 * lm
+    assert "reference on the sampler" in candidates.describe(overlay, "grpo")
+
+
 def test_depth_extrapolation_matches_a_full_depth_compile(monkeypatch):
     """A 6-layer model priced as a deep one (shallow compiles, extrapolated) against its
     full-depth compiles: FLOPs within 1% of the unrolled model's (layers are identical;
