@@ -34,6 +34,11 @@ token per step, appended to the slot's cache like sampled ones, nothing re-prefi
 the model samples its next turn. A multi-token append prefill would feed a long observation
 in fewer steps; observations of tool results are short, and feeding them in the decode steps
 keeps every program's shape and the per-row random numbers unchanged.
+
+Partial rollouts (``keep_partials``, ``carry``; ``jaxrlhf.generation.partials``): the groups
+still running when a call has kept enough are handed out instead of aborted, and the next
+call resumes them first: the prompt prefilled again, the sample's tokens fed back as forced
+tokens (the observation path), then sampling on from its own random numbers.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from jaxrlhf.generation.cache import cache_nbytes
 from jaxrlhf.generation.engine_episodes import EpisodeSteps
 from jaxrlhf.generation.environment import Episode, Episodes
 from jaxrlhf.generation.params import SamplingParams, SamplingStatics
+from jaxrlhf.generation.partials import Partials
 from jaxrlhf.generation.sampler import Sampler
 from jaxrlhf.generation.sampling import draw_uniforms
 from jaxrlhf.generation.slots import (
@@ -82,6 +88,10 @@ class EngineOutput:
       generated_tokens: tokens decoded in all, aborted samples' included.
       chunks: decode chunks run.
       episode_info: each kept multi-turn row's summed ``Step.info`` counters.
+      partials: ``keep_partials``: the started groups not kept (running, or finished beyond
+        ``keep_groups``), for the next call's ``carry``; else None.
+      carried_groups: C, the groups that came in ``carry``: rows and groups are numbered
+        over the carried prompts first, then the call's own (``prompt * n + i``).
     """
 
     finished: Finished
@@ -90,6 +100,8 @@ class EngineOutput:
     generated_tokens: int
     chunks: int
     episode_info: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    partials: Partials | None = None
+    carried_groups: int = 0
 
 
 class Engine:
@@ -308,6 +320,9 @@ class Engine:
         decode: Callable[[np.ndarray], str] | None = None,
         on_finished: Callable[[Finished], None] | None = None,
         environments: Episodes | None = None,
+        carry: Partials | None = None,
+        keep_partials: bool = False,
+        version: int = 0,
     ) -> EngineOutput:
         """Samples ``sampling.n`` continuations of prompts, admitting them in order.
 
@@ -332,11 +347,22 @@ class Engine:
             observation is fed into the slot's cache (one decode step per token, the same
             steps the other slots decode in: nothing is re-prefilled) before the next turn.
             A sample's budget is its episode's. Stop strings end turns.
+          carry: partial rollouts: an earlier call's unfinished groups, resumed ahead of
+            ``prompt_tokens`` (their rows and groups come first in the numbering;
+            ``max_new_tokens`` and ``keep_groups`` count the call's own prompts and all
+            groups). Not with ``environments``.
+          keep_partials: hand the started groups that are not kept out as
+            ``EngineOutput.partials`` instead of aborting them.
+          version: the weights' version (the caller's numbering): each sampled token's entry
+            in ``Finished.versions`` (tracked with ``carry`` or ``keep_partials``).
 
         Returns:
           The kept groups' samples (ordered by row) and the run's counts.
         """
-        run = _Run(self, params, prompt_tokens, prompt_mask, key, sampling)
+        if (carry is not None or keep_partials) and environments is not None:
+            raise ValueError("Engine: partial rollouts do not resume multi-turn episodes")
+        run = _Run(self, params, prompt_tokens, prompt_mask, key, sampling, carry, version)
+        run.keep_partials = keep_partials
         run.configure(max_new_tokens, keep_groups, token_budget, stop_strings, decode, on_finished)
         run.env = environments
         return run.run()
@@ -353,12 +379,13 @@ class _Run(EpisodeSteps):
         prompt_mask: np.ndarray,
         key: jax.Array,
         sampling: SamplingParams,
+        carry: Partials | None = None,
+        version: int = 0,
     ) -> None:
         self.engine, self.params, self.sampling = engine, params, sampling
         self.tokens = np.asarray(prompt_tokens, np.int32)
         self.mask = np.asarray(prompt_mask, bool)
-        batch, self.prompt_len = self.tokens.shape
-        self.batch = batch
+        fresh, self.prompt_len = self.tokens.shape
         self.n, self.width = sampling.n, sampling.max_new_tokens
         if engine.slots % self.n:
             raise ValueError(f"Engine: {engine.slots} slots do not hold whole groups of {self.n}")
@@ -367,7 +394,26 @@ class _Run(EpisodeSteps):
                 "Engine: prompt_tokens and prompt_mask must be [B, P], a real token each"
             )
         sampling.check_vocab(engine.cfg.vocab_size)
-        self.uniforms = draw_uniforms(key, batch * self.n, self.width)
+        self.uniforms = draw_uniforms(key, fresh * self.n, self.width)
+        self.carry, self.version, self.keep_partials = carry, version, False
+        self.track = carry is not None  # token versions (set again by keep_partials)
+        self.carried = 0 if carry is None else carry.groups
+        if carry is not None:
+            if carry.prompt_tokens.shape[1] != self.prompt_len or carry.tokens.shape != (
+                carry.groups * self.n,
+                self.width,
+            ):
+                raise ValueError(
+                    f"Engine: carried partials of {carry.prompt_tokens.shape[1]} prompt and "
+                    f"{carry.tokens.shape[1]} generated slots, groups of "
+                    f"{carry.tokens.shape[0] // max(carry.groups, 1)}; this call has "
+                    f"{self.prompt_len}, {self.width} and {self.n}"
+                )
+            self.tokens = np.concatenate([carry.prompt_tokens.astype(np.int32), self.tokens])
+            self.mask = np.concatenate([carry.prompt_mask.astype(bool), self.mask])
+            self.uniforms = np.concatenate([carry.uniforms, np.asarray(self.uniforms)])
+        batch = self.carried + fresh
+        self.batch, self.fresh = batch, fresh
         self.statics = sampling.static()
         self.arrays = sampling.arrays()
         self.admit_batch = engine.slots // self.n  # groups per admission (a static shape)
@@ -399,16 +445,18 @@ class _Run(EpisodeSteps):
         decode: Callable[[np.ndarray], str] | None,
         on_finished: Callable[[Finished], None] | None,
     ) -> None:
-        batch = self.batch
-        rows = batch * self.n
+        batch, fresh = self.batch, self.fresh
+        rows = fresh * self.n
         given = max_new_tokens is not None
         budgets = np.asarray(max_new_tokens) if given else np.full(rows, self.width)
-        if budgets.shape == (batch,):
+        if budgets.shape == (fresh,):
             budgets = np.repeat(budgets, self.n)
         if budgets.shape != (rows,) or (budgets < 1).any() or (budgets > self.width).any():
             raise ValueError(
-                f"Engine: max_new_tokens must be {batch} or {rows} values in [1, {self.width}]"
+                f"Engine: max_new_tokens must be {fresh} or {rows} values in [1, {self.width}]"
             )
+        if self.carry is not None:
+            budgets = np.concatenate([self.carry.budgets, budgets])
         self.budgets = budgets.astype(np.int32)  # per sample row
         self.keep = batch if keep_groups is None else keep_groups
         if not 1 <= self.keep <= batch:
@@ -420,6 +468,10 @@ class _Run(EpisodeSteps):
 
     def run(self) -> EngineOutput:
         eng = self.engine
+        self.track = self.track or self.keep_partials
+        self.prefix: dict[int, int] = {}  # carried row -> tokens fed back before it samples
+        if self.carry is not None:
+            self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
         chunk_fn = eng.chunk_program(self.statics, self.prompt_len)
         while len(self.kept) < self.keep:
@@ -442,13 +494,112 @@ class _Run(EpisodeSteps):
         aborted = len(self.queue) + len(started)
         aborted += max(0, len(self.kept) - self.keep)
         keep = sorted(self.kept[: self.keep])
-        finished = _concat(self.finished, self.width)
+        finished = _concat(self.finished, self.width, self.track)
         order = np.argsort(finished.rows, kind="stable")
         finished = jax.tree.map(lambda x: x[order], finished)
         chosen = np.isin(finished.rows // self.n, keep)
+        partials = None
+        if self.keep_partials:
+            extra = jax.tree.map(lambda x: x[~chosen], finished)
+            partials = self._partials(state, extra)
+            aborted = sum(g >= self.carried for g in self.queue)  # the rest go on next call
         finished = jax.tree.map(lambda x: x[chosen], finished)
         info = {int(r): self.episode_info[int(r)] for r in finished.rows if self.env is not None}
-        return EngineOutput(finished, np.asarray(keep), aborted, self.generated, self.chunks, info)
+        return EngineOutput(
+            finished,
+            np.asarray(keep),
+            aborted,
+            self.generated,
+            self.chunks,
+            info,
+            partials,
+            self.carried,
+        )
+
+    def _take_carry(self) -> None:
+        """The carried groups: samples that had finished wait in ``collected`` (a group
+        finished whole is handed out at once); the others are resumed when admitted."""
+        c, n = self.carry, self.n
+        for g in range(c.groups):
+            rows = np.arange(g * n, (g + 1) * n)
+            done = rows[c.finished[rows]]
+            for r in rows[~c.finished[rows]]:
+                self.prefix[int(r)] = int(c.lengths[r])
+            if not len(done):
+                continue
+            length = c.lengths[done]
+            mask = np.arange(self.width)[None, :] < length[:, None]
+            self.collected[g] = [
+                Finished(
+                    rows=done[i : i + 1],
+                    tokens=c.tokens[done[i : i + 1]],
+                    response_mask=mask[i : i + 1],
+                    logprobs=c.logprobs[done[i : i + 1]],
+                    model_logprobs=c.model_logprobs[done[i : i + 1]],
+                    lengths=length[i : i + 1].astype(np.int32),
+                    stopped=c.stopped[done[i : i + 1]],
+                    sequence_mask=mask[i : i + 1],
+                    versions=c.versions[done[i : i + 1]],
+                )
+                for i in range(len(done))
+            ]
+            self.collected_tokens += int(length.sum())
+            if len(done) == n:  # nothing left to run: handed out first
+                self.queue.remove(g)
+                self._ready([g])
+
+    def _partials(self, state: SlotState, extra: Finished) -> Partials | None:
+        """The started groups not kept, as :class:`Partials`: running samples read from
+        their slots (the carried part of a resumed one spliced back), finished ones from
+        ``collected`` and from ``extra`` (groups finished beyond ``keep_groups``)."""
+        n, width = self.n, self.width
+        running = np.flatnonzero(self.slot_group >= 0)
+        groups = sorted(
+            {int(g) for g in self.slot_group[running]}
+            | set(self.collected)
+            | {int(r) // n for r in extra.rows}
+            | {g for g in self.queue if g < self.carried}  # carried, not admitted this time
+        )
+        if not groups:
+            return None
+        rows = (np.asarray(groups)[:, None] * n + np.arange(n)).reshape(-1)
+        index = {int(r): i for i, r in enumerate(rows)}
+        out = {
+            "tokens": np.full((len(rows), width), self.sampling.pad_token_id, np.int32),
+            "logprobs": np.zeros((len(rows), width), np.float32),
+            "model_logprobs": np.zeros((len(rows), width), np.float32),
+            "versions": np.full((len(rows), width), -1, np.int32),
+            "lengths": np.zeros(len(rows), np.int32),
+            "finished": np.zeros(len(rows), bool),
+            "stopped": np.zeros(len(rows), bool),
+        }
+        for r, k in index.items():  # as carried, unless this call moved it on (below)
+            if r < self.carried * n:
+                for name, value in out.items():
+                    value[k] = getattr(self.carry, name)[r]
+        done = [part for g in groups for part in self.collected.get(g, [])] + [extra]
+        for part in done:
+            for i, r in enumerate(part.rows):
+                k = index[int(r)]
+                for name in ("tokens", "logprobs", "model_logprobs", "versions"):
+                    out[name][k] = getattr(part, name)[i]
+                out["lengths"][k], out["stopped"][k] = part.lengths[i], part.stopped[i]
+                out["finished"][k] = True
+        if len(running):
+            read = self._read_slots(state, running)
+            for i, slot in enumerate(running):
+                k = index[int(self.slot_row[slot])]
+                for name in ("tokens", "logprobs", "model_logprobs", "versions"):
+                    out[name][k] = getattr(read, name)[i]
+                out["lengths"][k] = read.lengths[i]
+        return Partials(
+            prompt_tokens=self.tokens[groups],
+            prompt_mask=self.mask[groups],
+            prompt_ids=np.asarray(groups),
+            uniforms=np.asarray(self.uniforms)[rows],
+            budgets=self.budgets[rows],
+            **out,
+        )
 
     def _view(self) -> tuple[int, int, np.ndarray] | None:
         """The smallest compiled view holding every running slot for the next chunk:
@@ -488,27 +639,45 @@ class _Run(EpisodeSteps):
         dest = np.full(a * self.n, self.engine.slots, np.int32)
         dest[: groups * self.n] = free[: groups * self.n]
         rows = (index[:, None] * self.n + np.arange(self.n)).reshape(-1)
-        for g, p in enumerate(prompts):
-            self.slot_group[free[g * self.n : (g + 1) * self.n]] = p
-            self.slot_row[free[g * self.n : (g + 1) * self.n]] = p * self.n + np.arange(self.n)
+        if self.carry is not None:  # a carried sample that finished takes no slot
+            taken = np.isin(rows, list(self.prefix)) | (rows >= self.carried * self.n)
+            dest[: groups * self.n][~taken[: groups * self.n]] = self.engine.slots
+        for k in range(groups * self.n):
+            if dest[k] < self.engine.slots:
+                self.slot_group[dest[k]] = prompts[k // self.n]
+                self.slot_row[dest[k]] = rows[k]
         budgets = self.budgets[rows].copy()
         if self.env is not None:  # the first turn's budget
             for k, slot in enumerate(dest[: groups * self.n]):
                 episode = self.env.start(prompts[k // self.n], int(budgets[k]))
                 self.episodes[int(slot)] = episode
                 budgets[k] = episode.budget()
-        self.decoding[dest[: groups * self.n]] = True
-        self.slot_step[free[: groups * self.n]] = 0
+        used = dest[dest < self.engine.slots]
+        self.decoding[used] = True
+        self.slot_step[used] = 0
         fn = self.engine.admit_program(self.n, a, self.prompt_len, self.width)
-        return fn(
+        state = fn(
             self.params,
             state,
             self.tokens[index],
             self.mask[index],
             dest,
-            self.uniforms[rows],
+            np.asarray(self.uniforms)[rows],
             budgets,
         )
+        resumed = [
+            (int(d), int(r))
+            for d, r in zip(dest, rows, strict=True)
+            if d < self.engine.slots and self.prefix.get(int(r))
+        ]
+        if resumed:  # carried samples: their tokens so far are fed back, then they sample on
+            slots = np.array([d for d, _ in resumed], np.int32)
+            forced = np.full((len(resumed), self.width), -1, np.int32)
+            for i, (_, r) in enumerate(resumed):
+                forced[i, : self.prefix[r]] = self.carry.tokens[r, : self.prefix[r]]
+            fn = self.engine.resume_program(self.prompt_len, self.width)
+            state = fn(state, slots, forced, self.budgets[[r for _, r in resumed]])
+        return state
 
     def _harvest(self, state: SlotState) -> SlotState:
         """Reads every finished sample out of its slot and frees the slot at once (its
@@ -530,28 +699,7 @@ class _Run(EpisodeSteps):
         slots = np.flatnonzero(running & done)
         if len(slots) == 0:
             return state
-        host = jax.device_get(
-            (
-                state.tokens[slots],
-                state.logprobs[slots],
-                state.model_logprobs[slots],
-                state.lengths[slots],
-                state.stopped[slots],
-            )
-        )
-        tokens, logprobs, model_lp, lengths, stopped = (np.asarray(x) for x in host)
-        mask = np.arange(self.width)[None, :] < lengths[:, None]
-        pad = self.sampling.pad_token_id
-        samples = Finished(
-            rows=self.slot_row[slots].copy(),
-            tokens=np.where(mask, tokens, pad),
-            response_mask=mask,
-            logprobs=np.where(mask, logprobs, 0.0).astype(np.float32),
-            model_logprobs=np.where(mask, model_lp, 0.0).astype(np.float32),
-            lengths=lengths.astype(np.int32),
-            stopped=stopped,
-            sequence_mask=mask,
-        )
+        samples = self._read_slots(state, slots)
         if self.env is not None:
             samples = self._episodes_out(samples, slots)
         self.collected_tokens += int(samples.lengths.sum())
@@ -562,17 +710,58 @@ class _Run(EpisodeSteps):
             self.collected.setdefault(int(group), []).append(
                 jax.tree.map(lambda x, i=i: x[i : i + 1], samples)
             )
-        ready = sorted(g for g in set(groups.tolist()) if len(self.collected[g]) == self.n)
+        self._ready(sorted(g for g in set(groups.tolist()) if len(self.collected[g]) == self.n))
+        return state
+
+    def _read_slots(self, state: SlotState, slots: np.ndarray) -> Finished:
+        """The samples in ``slots`` as they stand (host), a resumed sample's carried tokens
+        with their log-probs as first sampled; with ``track``, each token's version."""
+        host = jax.device_get(
+            (
+                state.tokens[slots],
+                state.logprobs[slots],
+                state.model_logprobs[slots],
+                state.lengths[slots],
+                state.stopped[slots],
+            )
+        )
+        tokens, logprobs, model_lp, lengths, stopped = (np.array(x) for x in host)
+        mask = np.arange(self.width)[None, :] < lengths[:, None]
+        pad = self.sampling.pad_token_id
+        rows = self.slot_row[slots].copy()
+        versions = None
+        if self.track:
+            versions = np.where(mask, self.version, -1).astype(np.int32)
+            for i, r in enumerate(rows):
+                fed = self.prefix.get(int(r), 0)
+                if fed:  # the carried tokens' own log-probs and versions
+                    logprobs[i, :fed] = self.carry.logprobs[r, :fed]
+                    model_lp[i, :fed] = self.carry.model_logprobs[r, :fed]
+                    versions[i, :fed] = self.carry.versions[r, :fed]
+        return Finished(
+            rows=rows,
+            tokens=np.where(mask, tokens, pad),
+            response_mask=mask,
+            logprobs=np.where(mask, logprobs, 0.0).astype(np.float32),
+            model_logprobs=np.where(mask, model_lp, 0.0).astype(np.float32),
+            lengths=lengths.astype(np.int32),
+            stopped=stopped,
+            sequence_mask=mask,
+            versions=versions,
+        )
+
+    def _ready(self, ready: list[int]) -> None:
+        """Hands out the groups in ``ready`` (every sample collected), in order."""
         if not ready:
-            return state
-        finished = _concat([part for g in ready for part in self.collected.pop(g)], self.width)
+            return
+        parts = [part for g in ready for part in self.collected.pop(g)]
+        finished = _concat(parts, self.width, self.track)
         order = np.argsort(finished.rows, kind="stable")  # groups in order, samples in order
         finished = jax.tree.map(lambda x: x[order], finished)
         self.finished.append(finished)
         self.kept.extend(ready)
         if self.on_finished is not None:
             self.on_finished(finished)
-        return state
 
     def _stop_strings(
         self, state: SlotState, done: np.ndarray, running: np.ndarray
@@ -605,7 +794,7 @@ class _Run(EpisodeSteps):
         return done, state
 
 
-def _concat(parts: list[Finished], width: int) -> Finished:
+def _concat(parts: list[Finished], width: int, versions: bool = False) -> Finished:
     if not parts:
         empty = np.zeros((0, width))
         return Finished(
@@ -617,5 +806,6 @@ def _concat(parts: list[Finished], width: int) -> Finished:
             np.zeros(0, np.int32),
             np.zeros(0, bool),
             empty.astype(bool),
+            versions=empty.astype(np.int32) if versions else None,
         )
     return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)

@@ -361,6 +361,8 @@ class Finished:
         turns, observations and environment errors (None without an environment).
       turn_rewards: [F, W] each episode's rewards at the last model token of the turns they
         answered (``Episode.turn_rewards``; rows sum to ``rewards``), or None.
+      versions: [F, T] int32 the weights' version that sampled each token (-1 outside the
+        response) when the engine tracks them (partial rollouts), else None.
     """
 
     rows: np.ndarray
@@ -376,3 +378,4 @@ class Finished:
     observations: np.ndarray | None = None
     errors: np.ndarray | None = None
     turn_rewards: np.ndarray | None = None
+    versions: np.ndarray | None = None
