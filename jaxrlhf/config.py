@@ -813,7 +813,8 @@ def _reference_layout(cfg: RunConfig, sampler_shards: int | None, ctx: _Context)
             "placement.reference",
             "sampler: a LoRA policy's reference is its frozen base on the learner's devices",
         )
-    if algo.rollout.engine == "continuous" and algo.rollout.stream_scoring:
+    r = algo.rollout
+    if r.engine == "continuous" and r.stream_scoring and r.environment is None:
         ctx.fail(
             "placement.reference",
             f"sampler: streamed scoring runs the reference on the learner's devices while the "

@@ -110,7 +110,7 @@ def reference_may_move(cfg: RunConfig) -> bool:
     part of the learner's weights, nor with the engine's streamed scoring."""
     r = rl_section(cfg).rollout
     hydra = cfg.algorithm == "ppo" and cfg.ppo.hydra
-    streamed = r.engine == "continuous" and r.stream_scoring
+    streamed = r.engine == "continuous" and r.stream_scoring and r.environment is None
     return cfg.lora is None and not hydra and not streamed
 
 

@@ -134,6 +134,8 @@ class PlacementConfig:
     reference: str = "learner"
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {list(STRATEGIES)}, got {self.strategy!r}")
         if self.reference not in REFERENCE_PLACES:
             raise ValueError(
                 f"reference: expected one of {list(REFERENCE_PLACES)}, got {self.reference!r}"
@@ -143,8 +145,6 @@ class PlacementConfig:
                 "reference: sampler runs the reference on the sampler's own devices; it needs "
                 f"strategy: separated (got {self.strategy})"
             )
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy: expected one of {list(STRATEGIES)}, got {self.strategy!r}")
         if self.weight_sync_every < 1:
             raise ValueError(f"weight_sync_every: must be >= 1, got {self.weight_sync_every}")
         if self.strategy == "colocated":

@@ -301,12 +301,14 @@ def _plan_sampler_reference(pl, programs, held, rows: int, length: int) -> None:
     )
     abstract, shardings = pl.trees["reference.params"]
     ref = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
+    # The sampler's copy of the policy is alive meanwhile (the producer holds it).
+    copies = [n for n in pl.trees if n.startswith("policy.generate")]
     pl.compile(
         "generate",
         "reference",
         programs.sampler_reference,
         (ref, batch, packed),
-        live=held,
+        live=[*held, *copies],
         passed=["reference.params"],
         runs=programs.sampler_planner.score_micro,  # map_micro's scan body is one micro-batch
     )

@@ -4,7 +4,11 @@ the sampler's own copy of the weights (``placement.weight_sync_every``).
 Rollout ``j`` (the batch iteration ``j`` trains on) is sampled with the policy of version
 ``v(j) >= max(j - k, b(j))``: ``k`` is the staleness bound, and ``b(j)`` the last drain point
 at or before ``j`` (a multiple of ``checkpoint.every``, or the step the process started or
-resumed from). Version ``v`` is the policy after ``v`` updates. :meth:`RolloutProducer.take`
+resumed from). With partial rollouts (``rollout.partial_rollouts``) a rollout also finishes
+groups the previous one left running, whose first tokens are one version older: rollouts
+then launch at ``v(j) >= max(j - k + 1, b(j))`` and a carried group with a token older than
+``max(j - k, b(j))`` is dropped, so no trained token is more than ``k`` versions old.
+Version ``v`` is the policy after ``v`` updates. :meth:`RolloutProducer.take`
 refreshes the sampler's weights when due (every ``weight_sync_every`` updates, and at
 drain points), launches every rollout whose bound the sampler's version meets, then waits
 for rollout ``i``; with ``k >= 1`` the launched ones run on a host thread (sampling on
@@ -23,7 +27,9 @@ weights, and none is launched before the learner reaches it), so a checkpoint sa
 holds the whole state and a resumed run repeats the uninterrupted one. A checkpoint saved
 elsewhere (a stop signal) records the prompt position of the first rollout not yet trained
 on: the resumed run samples those prompts again with the restored weights (no prompt lost or
-repeated; the in-flight samples themselves are dropped).
+repeated; the in-flight samples themselves are dropped). Partial rollouts: a drain point
+drops every carried group (each holds a token older than it), as does a restore, so a run
+resumed at one repeats the uninterrupted run there too.
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ class RolloutProducer:
     ):
         self.trainer = trainer
         self.k, self.sync_every, self.drain_every = max_staleness, sync_every, drain_every
+        # Partial rollouts: carried tokens are one version older than their rollout's own,
+        # so rollouts launch one version fresher (k - 1) and carried tokens may be k old.
+        self.slack = 1 if trainer.algo.rollout.partial_rollouts else 0
         self.timeline = timeline
         self.executor = None
         if max_staleness > 0:
@@ -116,15 +125,17 @@ class RolloutProducer:
                 p.future.cancel()
                 concurrent.futures.wait([p.future])
         self.pending: dict[int, Pending] = {}
+        self.trainer.partials = None  # partial rollouts restart from fresh prompts
         self.start, self.launched = step, step
         self.sampler_params, self.sampler_version = None, None
 
-    def bound(self, j: int) -> int:
-        """The oldest policy version rollout ``j`` may be sampled with."""
+    def bound(self, j: int, slack: int = 0) -> int:
+        """The oldest policy version any token of rollout ``j`` may come from; with
+        ``slack``, that many versions newer (the launch bound of partial rollouts)."""
         drained = self.start
         if self.drain_every:
             drained = max(drained, j // self.drain_every * self.drain_every)
-        return max(j - self.k, drained)
+        return max(j - self.k + slack, drained)
 
     def prompts_state(self) -> dict[str, Any]:
         """The prompt position of the first rollout not yet trained on (for checkpoints)."""
@@ -139,10 +150,13 @@ class RolloutProducer:
         enough for (up to ``last_step``), then returns rollout ``step``'s result
         (``(rollout, timings, forwards)``) and its policy version."""
         timings = {"time/reshard_s": 0.0, "reshard/bytes_moved": 0.0}
-        version = self.sampler_version
-        if version is None or step - version >= self.sync_every or version < self.bound(step):
+        version, slack = self.sampler_version, self.slack
+        stale = version is not None and version < self.bound(step, slack)
+        if version is None or step - version >= self.sync_every or stale:
             timings = self._sync(step)
-        while self.launched < last_step and self.bound(self.launched) <= self.sampler_version:
+        while (
+            self.launched < last_step and self.bound(self.launched, slack) <= self.sampler_version
+        ):
             self._launch(self.launched, key_fn(self.launched), timings)
             timings = {"time/reshard_s": 0.0, "reshard/bytes_moved": 0.0}  # counted once
             self.launched += 1
@@ -177,7 +191,9 @@ class RolloutProducer:
 
         def run():
             start = self.timeline.now()
-            rollout, sample_timings, forwards = trainer.sample(key, prompts, params)
+            rollout, sample_timings, forwards = trainer.sample(
+                key, prompts, params, version=version, oldest=self.bound(j)
+            )
             self.timeline.record("sample", "sampler", j, start, self.timeline.now())
             if trainer.programs.sampler_reference is not None:  # placement.reference: sampler
                 start = self.timeline.now()

@@ -92,6 +92,15 @@ class RolloutConfig:
         corrects for the difference. Checkpoints drain: the sampler takes no weights older
         than the last ``checkpoint.every`` boundary, so nothing is in flight when one is
         saved and a resumed run repeats the uninterrupted one (docs/sharding.md).
+      partial_rollouts: asynchronous RL with the engine and ``oversample_groups``: the groups
+        still decoding when ``prompts_per_step`` have finished are not cancelled but carried
+        into the next rollout, which resumes them first under its newer weights (AReaL's
+        partial rollouts; ``jaxrlhf.generation.partials``). Carried tokens are a version
+        older than their rollout's, so rollouts are sampled at most ``max_staleness - 1``
+        versions behind and a carried group with a token more than ``max_staleness``
+        behind is dropped (at a checkpoint boundary every carried group is); each token
+        keeps the behaviour log-prob it was sampled with.
+        Logged: ``rollout/partial_rows``, ``rollout/staleness_max`` (the oldest token's).
     """
 
     prompts_per_step: int = 16
@@ -117,10 +126,21 @@ class RolloutConfig:
     turn_tokens: int | None = None
     env_timeout_s: float = 30.0
     max_staleness: int = 0
+    partial_rollouts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.partial_rollouts:
+            needs = [
+                (self.engine == "continuous", "engine: continuous"),
+                (self.max_staleness >= 1, "max_staleness >= 1 (carried tokens are older)"),
+                (self.oversample_groups > 0, "oversample_groups > 0 (else every group ends)"),
+                (self.environment is None, "no environment (episodes are not resumed)"),
+            ]
+            missing = [what for ok, what in needs if not ok]
+            if missing:
+                raise ValueError(f"partial_rollouts: needs {missing[0]}")
         if (
             self.max_staleness
             and self.engine == "continuous"

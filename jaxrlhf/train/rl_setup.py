@@ -12,6 +12,7 @@ reference.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from jaxrlhf.models.hf_checkpoint import load_params
 from jaxrlhf.models.hf_config import checkpoint_head, load_hf_config
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding.model_sharding import param_shardings
+from jaxrlhf.sharding.reshard import reshard
 from jaxrlhf.sharding.rules import TRAIN
 from jaxrlhf.train.adapters import initial_lora_params
 from jaxrlhf.train.hydra_setup import initial_parts
@@ -33,6 +35,8 @@ from jaxrlhf.train.model_setup import init_params
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms
 from jaxrlhf.train.state import TrainState, init_state
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -94,15 +98,25 @@ def _lora_value(programs: RLPrograms, policy_frozen: Any, key: jax.Array) -> tup
 
 def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> InitialStates:
     """The learners' states and the reference in the programs' shardings; the reference is
-    a frozen copy of the initial policy (with LoRA, the policy's base itself)."""
+    a frozen copy of the initial policy (with LoRA, the policy's base itself), on the
+    sampler's devices with ``placement.reference: sampler`` (copied there straight from the
+    policy's parameters: the learner's devices never hold it)."""
     if programs.policy_lora is not None:
         return _initial_lora_states(cfg, programs, key)
     if programs.hydra is not None:
         return _initial_hydra_states(cfg, programs, key)
     policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
-    ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
-        jax.tree.map(jnp.copy, policy_params)
-    )
+    if programs.sampler_reference is not None:
+        ref_params, stats = reshard(policy_params, programs.sampler_reference_shardings)
+        logger.info(
+            "placement.reference: sampler: the reference's copy on the sampler's devices "
+            "(%.1f MiB moved once)",
+            stats.bytes_moved / 2**20,
+        )
+    else:
+        ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
+            jax.tree.map(jnp.copy, policy_params)
+        )
     value_state = None
     if programs.value is not None:
         value_params = _value_params(programs, policy_params)

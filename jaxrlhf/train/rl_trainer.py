@@ -44,6 +44,7 @@ from jaxrlhf.generation.environment import (
     observation_ids,
     resolve_environment,
 )
+from jaxrlhf.generation.partials import Partials
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
@@ -57,7 +58,6 @@ from jaxrlhf.rewards import (
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
 from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
-from jaxrlhf.sharding.reshard import reshard
 from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
@@ -107,6 +107,8 @@ class RLTrainer:
       env_factory: ``rollout.environment``'s factory (multi-turn episodes), or None.
       sampler_ref_params: ``placement.reference: sampler``: the reference's copy on the
         sampler's mesh (placed once), else None.
+      partials: ``rollout.partial_rollouts``: the groups the last engine call left running
+        (their ``prompt_ids`` are dataset indices), resumed by the next; else None.
       timeline: when each phase ran on which devices (``jaxrlhf.train.timeline``).
       producer: launches the rollouts, ahead of the learner with ``rollout.max_staleness``
         (``jaxrlhf.train.rl_async``).
@@ -131,6 +133,7 @@ class RLTrainer:
     last_scored: Scored | None = None
     env_factory: EnvFactory | None = None
     sampler_ref_params: Any = None
+    partials: Partials | None = None
     timeline: Timeline | None = None
     producer: RolloutProducer | None = None
 
@@ -227,8 +230,11 @@ class RLTrainer:
         rollout, timings, _ = self._rollout(key)
         return rollout, timings
 
-    def _rollout(self, key: jax.Array) -> tuple[Rollout, dict[str, float], Scored | None]:
-        """:meth:`rollout`, and the scoring forwards when the engine streamed them."""
+    def _rollout(
+        self, key: jax.Array, reference: bool = True
+    ) -> tuple[Rollout, dict[str, float], Scored | None]:
+        """:meth:`rollout`, and the scoring forwards when the engine streamed them;
+        ``reference`` False leaves a sampler-side reference's log-probs to the caller."""
         host_prompts = next(self.prompts)
         start = time.perf_counter()
         gen_params, stats = self.generate_params()
@@ -237,7 +243,8 @@ class RLTrainer:
             "reshard/bytes_moved": float(stats.bytes_moved),
         }
         rollout, more, forwards = self.sample(key, host_prompts, gen_params)
-        if self.programs.sampler_reference is not None:
+        del gen_params  # the sampler's copy is not needed by the reference's forward
+        if reference and self.programs.sampler_reference is not None:
             rollout, more["time/reference_s"] = self.reference_on_sampler(rollout)
         return rollout, {**timings, **more}, forwards
 
@@ -251,14 +258,22 @@ class RLTrainer:
         return rollout.replace(ref_logprobs=ref), time.perf_counter() - start
 
     def sample(
-        self, key: jax.Array, host_prompts: dict[str, np.ndarray], gen_params: Any
+        self,
+        key: jax.Array,
+        host_prompts: dict[str, np.ndarray],
+        gen_params: Any,
+        *,
+        version: int = 0,
+        oldest: int = 0,
     ) -> tuple[Rollout, dict[str, float], Scored | None]:
         """Samples ``host_prompts`` with ``gen_params`` (the sampler's layout) and scores the
         samples with the reward: a host Rollout, the phases' timings, and the scoring
-        forwards when the engine streamed them."""
+        forwards when the engine streamed them. ``version``: the policy version of
+        ``gen_params``; ``oldest``: the oldest version a carried partial group's tokens may
+        have (``rollout.partial_rollouts``: older groups are dropped)."""
         timings: dict[str, float] = {}
         if self.programs.engine is not None:
-            return self._engine_rollout(gen_params, host_prompts, key, timings)
+            return self._engine_rollout(gen_params, host_prompts, key, timings, version, oldest)
         start = time.perf_counter()
         out = self.sampler.generate(
             gen_params,
@@ -280,12 +295,24 @@ class RLTrainer:
         return rollout, timings, None
 
     def _engine_rollout(
-        self, gen_params: Any, prompts: dict[str, np.ndarray], key: jax.Array, timings: dict
+        self,
+        gen_params: Any,
+        prompts: dict[str, np.ndarray],
+        key: jax.Array,
+        timings: dict,
+        version: int = 0,
+        oldest: int = 0,
     ) -> tuple[Rollout, dict[str, float], Scored | None]:
         """The rollout engine's samples of ``prompts`` (the first ``prompts_per_step``
         groups to finish), their rewards and, with ``stream_scoring``, their scoring
-        forwards, computed between decode chunks."""
+        forwards, computed between decode chunks. With ``partial_rollouts`` the groups
+        carried from the last call come first (those with a token older than ``oldest``
+        dropped) and the groups still running are carried to the next."""
         r, programs = self.algo.rollout, self.programs
+        carry = None
+        if r.partial_rollouts:
+            carry, prompts, dropped = self._carried(prompts, oldest)
+            timings["rollout/partials_dropped"] = float(dropped)
         stream = None
         if r.stream_scoring and self.env_factory is None:
             shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
@@ -304,8 +331,23 @@ class RLTrainer:
             decode=self.tokenizer.decode,
             on_finished=None if stream is None else stream.add,
             environments=self._episodes(prompts),
+            carry=carry,
+            keep_partials=r.partial_rollouts,
+            version=version,
         )
         del gen_params
+        if r.partial_rollouts:  # the engine numbers its groups over ``prompts``: map them back
+            self.partials = out.partials and dataclasses.replace(
+                out.partials, prompt_ids=prompts["index"][out.partials.prompt_ids]
+            )
+            versions = out.finished.versions
+            held = versions[out.finished.response_mask]
+            timings["rollout/oldest_version"] = float(held.min(initial=version))
+            carried = (versions >= 0) & (versions < version)  # -1: past the response
+            timings["rollout/partial_rows"] = float(carried.any(-1).sum())
+            timings["rollout/carried_groups"] = float(
+                0 if self.partials is None else self.partials.groups
+            )
         if stream is not None:
             stream.close()
         timings["time/generate_s"] = time.perf_counter() - start
@@ -333,6 +375,27 @@ class RLTrainer:
         rollout = self._as_rollout(sample, scores, task_scores)
         timings["time/reward_s"] = time.perf_counter() - start
         return rollout, timings, forwards
+
+    def _carried(
+        self, prompts: dict[str, np.ndarray], oldest: int
+    ) -> tuple[Partials | None, dict[str, np.ndarray], int]:
+        """The partial groups carried from the last engine call whose tokens are all of
+        version ``oldest`` or newer, and the prompts of the call: theirs, then ``prompts``
+        (tokens, mask and dataset index); and how many groups were dropped as too old."""
+        carry, self.partials = self.partials, None
+        if carry is None:
+            return None, prompts, 0
+        fresh = carry.oldest() >= oldest
+        dropped = int((~fresh).sum())
+        carry = carry.select(np.flatnonzero(fresh)) if dropped else carry
+        if not carry.groups:
+            return None, prompts, dropped
+        combined = {
+            "tokens": np.concatenate([carry.prompt_tokens, prompts["tokens"]]),
+            "mask": np.concatenate([carry.prompt_mask, prompts["mask"]]),
+            "index": np.concatenate([carry.prompt_ids, prompts["index"]]),
+        }
+        return carry, combined, dropped
 
     def _episodes(self, prompts: dict[str, np.ndarray]) -> Episodes | None:
         """The iteration's multi-turn episodes (None: single-turn): each prompt's dataset
@@ -470,7 +533,7 @@ class RLTrainer:
         want = self.algo.rollout.prompts_per_step
         kept, flat, timings = [], [], {}
         for attempt in range(1 + self.algo.max_refills):
-            rollout, t = self.rollout(jax.random.fold_in(key, attempt))
+            rollout, t, _ = self._rollout(jax.random.fold_in(key, attempt), reference=False)
             for k, v in t.items():
                 timings[k] = timings.get(k, 0.0) + v
             informative = rollout.scores.reshape(-1, n).std(-1) > 0
@@ -481,7 +544,10 @@ class RLTrainer:
         timings["dynamic/rollouts"] = float(attempt + 1)
         timings["dynamic/informative_frac"] = len(kept) / ((attempt + 1) * want)
         chosen = (kept + flat)[:want]  # short of informative groups: flat ones add 0 signal
-        return concatenate(chosen), timings
+        rollout = concatenate(chosen)
+        if self.programs.sampler_reference is not None:  # the kept groups' only
+            rollout, timings["time/reference_s"] = self.reference_on_sampler(rollout)
+        return rollout, timings
 
     def step(self) -> StepOutput:
         """One full RL iteration; its host metrics (rewards, KL, losses, timings)."""
@@ -497,6 +563,8 @@ class RLTrainer:
             )
         timings["rollout/policy_version"] = float(version)
         timings["rollout/staleness"] = float(self.steps_done - version)
+        if "rollout/oldest_version" in timings:  # partial rollouts: the oldest token's
+            timings["rollout/staleness_max"] = self.steps_done - timings["rollout/oldest_version"]
         metrics = self.learn(rollout, update_key, timings, forwards=forwards)
         metrics["time/iteration_s"] = time.perf_counter() - iter_start
         metrics.update(rl_metrics.rollout_metrics(rollout, metrics))
@@ -528,6 +596,8 @@ class RLTrainer:
         engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
         programs = self.programs
+        if programs.sampler_reference is not None and rollout.ref_logprobs is None:
+            rollout, timings["time/reference_s"] = self.reference_on_sampler(rollout)
         start, t_score = time.perf_counter(), self.timeline.now()
         # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
         # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
@@ -842,14 +912,8 @@ def build_rl_trainer(
     if rm_cfg is not None:
         rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
     ref_params, sampler_ref = states.reference, None
-    if programs.sampler_reference is not None:  # the frozen reference moves, once
-        sampler_ref, stats = reshard(states.reference, programs.sampler_reference_shardings)
-        ref_params = None  # the learner's devices no longer hold it
-        logger.info(
-            "placement.reference: sampler: the reference's copy on the sampler's devices "
-            "(%.1f MiB moved once)",
-            stats.bytes_moved / 2**20,
-        )
+    if programs.sampler_reference is not None:  # on the sampler's devices only
+        ref_params, sampler_ref = None, states.reference
     return RLTrainer(
         cfg=cfg,
         programs=programs,

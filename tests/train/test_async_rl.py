@@ -87,21 +87,29 @@ def test_reference_on_the_sampler_does_the_colocated_math(fast_compile, tmp_path
     assert apart.ref_params is None
     devices = {d.id for x in jax.tree.leaves(apart.sampler_ref_params) for d in x.devices()}
     assert devices == {0, 1, 2, 3}
-    rollout, timings = apart.rollout(jax.random.key(1))
-    assert rollout.ref_logprobs is not None and timings["time/reference_s"] > 0
-    apart_metrics = apart.learn(rollout, jax.random.key(2))
-
     cfg, src = _config(_dir(tmp_path / "colocated"), algo, *overrides)
     colocated = build_rl_trainer(cfg, source=src)
-    metrics = colocated.learn(rollout.replace(ref_logprobs=None), jax.random.key(2))
-    scored = jax.device_get(colocated.last_scored.ref_logprobs)
-    resp = rollout.response_mask  # past a response's end a padded forward's values are unread
-    np.testing.assert_allclose(rollout.ref_logprobs * resp, scored * resp, atol=1e-5)
-    assert np.abs(rollout.ref_logprobs * resp).min(where=resp, initial=np.inf) > 0
-    params = [jax.device_get(t.policy_state.params) for t in (colocated, apart)]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *params)
-    for key in ("loss/policy", "kl/seq_mean", "policy/clip_frac"):
-        np.testing.assert_allclose(metrics[key], apart_metrics[key], atol=1e-5)
+    # Two iterations on the same rollouts: in the second the policy has moved from the
+    # reference, so the KL (and its gradient) is not 0 and reads the reference's values.
+    for step in range(2):
+        rollout, timings = apart.rollout(jax.random.key(1 + step))
+        assert rollout.ref_logprobs is not None and timings["time/reference_s"] > 0
+        apart_metrics = apart.learn(rollout, jax.random.key(10 + step))
+        used = jax.device_get(apart.last_scored.ref_logprobs)
+        np.testing.assert_array_equal(used, rollout.ref_logprobs)  # read as carried
+        metrics = colocated.learn(rollout.replace(ref_logprobs=None), jax.random.key(10 + step))
+        scored = jax.device_get(colocated.last_scored.ref_logprobs)
+        resp = rollout.response_mask  # past a response's end padded forwards are unread
+        np.testing.assert_allclose(rollout.ref_logprobs * resp, scored * resp, atol=1e-5)
+        assert np.abs(rollout.ref_logprobs * resp).min(where=resp, initial=np.inf) > 0
+        params = [jax.device_get(t.policy_state.params) for t in (colocated, apart)]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *params)
+        for key in ("loss/policy", "kl/seq_mean", "policy/clip_frac"):
+            np.testing.assert_allclose(metrics[key], apart_metrics[key], atol=1e-5)
+    assert abs(metrics["kl/seq_mean"]) > 1e-4  # the second iteration's KL is not 0
+    # A rollout that comes without them (built by hand) gets them scored on the sampler.
+    bare = apart.learn(rollout.replace(ref_logprobs=None), jax.random.key(20))
+    assert bare["time/reference_s"] > 0
 
 
 def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_path):
@@ -393,6 +401,74 @@ def test_samples_are_at_most_k_versions_old(fast_compile, tmp_path, k):
     assert {("sample", "sampler"), ("score", "learner"), ("update", "learner")} <= names
     assert all(p["devices"] == [0] for p in timeline["phases"] if p["group"] == "sampler")
     assert 0 < summary["sampler/busy_frac"] <= 1 and 0 < summary["learner/busy_frac"] <= 1
+
+
+def test_partial_rollouts_carry_unfinished_groups_within_the_staleness_bound(
+    fast_compile, tmp_path
+):
+    """The engine over-samples 2 groups; with ``partial_rollouts`` the groups not kept go on
+    in the next rollout under newer weights. With k = 2 rollouts are sampled 1 version
+    behind and every trained token is at most 2 old (read back from the logged versions);
+    carried rows are trained on."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        *ASYNC,
+        "train.steps=5",
+        "grpo.rollout.max_staleness=2",
+        "grpo.rollout.engine=continuous",
+        "grpo.rollout.stream_scoring=false",
+        "grpo.rollout.oversample_groups=2",
+        "grpo.rollout.partial_rollouts=true",
+        "grpo.rollout.chunk_tokens=2",
+        "grpo.loss.rollout_correction={weights: truncate, cap: 2.0}",
+    )
+    result = loop.run(cfg, source=src)
+    rows = _history(result.run_dir)
+    assert len(rows) == 5
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1, 1]  # launched at k - 1
+    assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows)
+    assert all(r["rollout/staleness_max"] >= r["rollout/staleness"] for r in rows)
+    assert rows[0]["rollout/partial_rows"] == 0  # nothing to carry into the first
+    assert sum(r["rollout/partial_rows"] for r in rows) > 0
+    assert max(r["rollout/staleness_max"] for r in rows) == 2  # a carried token, 2 behind
+    assert all(r["rollout/carried_groups"] <= 2 + 4 for r in rows)
+    assert all(np.isfinite(r["loss/policy"]) and "is/weight_mean" in r for r in rows)
+
+
+def test_partial_rollout_groups_keep_their_tokens_versions(fast_compile, tmp_path):
+    """One trainer driven by hand: the groups the first rollout leaves are resumed first by
+    the second under version 1, their carried tokens still version 0 and their behaviour
+    log-probs as first sampled; a group older than the bound is dropped, not resumed."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        *ASYNC,
+        "grpo.rollout.max_staleness=1",
+        "grpo.rollout.engine=continuous",
+        "grpo.rollout.stream_scoring=false",
+        "grpo.rollout.oversample_groups=2",
+        "grpo.rollout.partial_rollouts=true",
+        "grpo.rollout.chunk_tokens=2",
+    )
+    trainer = build_rl_trainer(cfg, source=src)
+    params, _ = trainer.generate_params()
+    prompts = next(trainer.prompts)
+    first, timings, _ = trainer.sample(jax.random.key(1), prompts, params, version=0)
+    carry = trainer.partials
+    assert carry is not None and carry.groups >= 1
+    assert set(carry.prompt_ids) <= set(prompts["index"])  # dataset indices
+    second, timings, _ = trainer.sample(
+        jax.random.key(2), next(trainer.prompts), params, version=1, oldest=0
+    )
+    assert timings["rollout/partials_dropped"] == 0
+    assert timings["rollout/oldest_version"] == 0 and timings["rollout/partial_rows"] > 0
+    trainer.partials = carry
+    _, timings, _ = trainer.sample(
+        jax.random.key(2), next(trainer.prompts), params, version=2, oldest=1
+    )
+    assert timings["rollout/partials_dropped"] == carry.groups
+    assert timings["rollout/oldest_version"] == 2
 
 
 def test_async_resume_repeats_the_uninterrupted_run(fast_compile, tmp_path):
