@@ -12,6 +12,10 @@ samples) in two placements:
   samples iteration i + 1 with the weights of version i while the learner trains on i.
 * ``async-ref``: ``async`` with ``placement.reference: sampler`` (the reference's forward on
   the sampler's device, after each batch).
+* ``async-over`` / ``async-partial``: ``async`` through the rollout engine, over-sampling 4
+  groups and keeping the first 16 to finish; the rest cancelled (over) or carried into the
+  next rollout (``rollout.partial_rollouts``, at ``max_staleness`` 2 so that carried tokens,
+  a version older, stay within the bound). Reported also: decoded tokens per trained token.
 
 Each run is a ``python -m jaxrlhf.train`` process. Reported per run: iterations per second
 after the first ``--skip`` iterations (compilation), each device's busy fraction over the same
@@ -59,14 +63,29 @@ PLACEMENTS = {
         "reference": "sampler",
     },
 }
+PROMPTS, SAMPLES = 16, 4  # per iteration
+# The asynchronous run through the rollout engine, over-sampling OVERSAMPLE groups (the
+# first 16 to finish are kept): cancelled (over) or carried into the next rollout (partial).
+OVERSAMPLE = 4
+for _mode in ("async-over", "async-partial"):
+    PLACEMENTS[_mode] = PLACEMENTS["async"]
 
 
 def run_config(mode: str, seed: int, args: argparse.Namespace, out: str) -> dict:
-    rollout = {"prompts_per_step": 16, "num_samples": 4, "max_new_tokens": 10}
+    rollout = {"prompts_per_step": PROMPTS, "num_samples": SAMPLES, "max_new_tokens": 10}
     loss = {"epochs": 1, "num_minibatches": 2, "clip_high": 0.28}
     if mode.startswith("async"):
         rollout["max_staleness"] = 1
         loss["rollout_correction"] = {"weights": "truncate", "cap": 2.0}
+    if mode in ("async-over", "async-partial"):
+        rollout.update(
+            engine="continuous",
+            stream_scoring=False,
+            oversample_groups=OVERSAMPLE,
+            chunk_tokens=2,
+            partial_rollouts=mode == "async-partial",
+            max_staleness=2 if mode == "async-partial" else 1,  # carried tokens 1 older
+        )
     return {
         "algorithm": "grpo",
         "output_dir": out,
@@ -128,7 +147,20 @@ def measure(mode: str, seed: int, args: argparse.Namespace, root: str) -> dict:
         "host_cores": host_cores(cpu),
         "reward_curve": [r[key] for r in rows],
         "final_reward": float(np.mean([r[key] for r in rows[-5:]])),
-        "staleness_max": max(r.get("rollout/staleness", 0.0) for r in rows),
+        "staleness_max": max(
+            r.get("rollout/staleness_max", r.get("rollout/staleness", 0.0)) for r in rows
+        ),
+        # Decoded tokens per trained response token (1.0: nothing decoded in vain).
+        "decode_per_trained": float(
+            np.mean(
+                [
+                    r["rollout/decoded_tokens"] / (r["response/length_mean"] * PROMPTS * SAMPLES)
+                    for r in rows[args.skip :]
+                    if "rollout/decoded_tokens" in r
+                ]
+                or [1.0]
+            )
+        ),
     }
 
 
@@ -153,7 +185,8 @@ def main() -> None:
                     f"{r['device0_busy']:.0%} device1 {r['device1_busy']:.0%}, overlap "
                     f"{r['overlap']:.0%}, host cores busy {r['host_cores']:.2f}, final task reward "
                     f"{r['final_reward']:.3f}, "
-                    f"max staleness {r['staleness_max']:.0f}",
+                    f"max staleness {r['staleness_max']:.0f}, decoded per trained token "
+                    f"{r['decode_per_trained']:.2f}",
                     flush=True,
                 )
     by = {m: [r for r in results if r["mode"] == m] for m in args.modes}

@@ -543,7 +543,6 @@ class _Run(EpisodeSteps):
                 )
                 for i in range(len(done))
             ]
-            self.collected_tokens += int(length.sum())
             if len(done) == n:  # nothing left to run: handed out first
                 self.queue.remove(g)
                 self._ready([g])

@@ -309,9 +309,10 @@ class RLTrainer:
         carried from the last call come first (those with a token older than ``oldest``
         dropped) and the groups still running are carried to the next."""
         r, programs = self.algo.rollout, self.programs
-        carry = None
+        carry, skip = None, 0
         if r.partial_rollouts:
-            carry, prompts, dropped = self._carried(prompts, oldest)
+            carry, prompts, dropped = self._carried(prompts, oldest)  # carried groups first
+            skip = 0 if carry is None else carry.groups
             timings["rollout/partials_dropped"] = float(dropped)
         stream = None
         if r.stream_scoring and self.env_factory is None:
@@ -321,8 +322,8 @@ class RLTrainer:
         start = time.perf_counter()
         out = programs.engine.generate(
             gen_params,
-            prompts["tokens"],
-            prompts["mask"],
+            prompts["tokens"][skip:],  # the engine puts the carried prompts first itself
+            prompts["mask"][skip:],
             key,
             programs.sampling,
             keep_groups=r.prompts_per_step,
@@ -380,20 +381,28 @@ class RLTrainer:
         self, prompts: dict[str, np.ndarray], oldest: int
     ) -> tuple[Partials | None, dict[str, np.ndarray], int]:
         """The partial groups carried from the last engine call whose tokens are all of
-        version ``oldest`` or newer, and the prompts of the call: theirs, then ``prompts``
-        (tokens, mask and dataset index); and how many groups were dropped as too old."""
+        version ``oldest`` or newer, and the prompts of the call: theirs, then as many of
+        ``prompts`` as leave the call ``len(prompts)`` groups (tokens, mask and dataset
+        index); and how many groups were dropped as too old."""
         carry, self.partials = self.partials, None
         if carry is None:
             return None, prompts, 0
-        fresh = carry.oldest() >= oldest
-        dropped = int((~fresh).sum())
-        carry = carry.select(np.flatnonzero(fresh)) if dropped else carry
+        recent = carry.oldest() >= oldest
+        dropped = int((~recent).sum())
+        carry = carry.select(np.flatnonzero(recent)) if dropped else carry
         if not carry.groups:
             return None, prompts, dropped
+        # The carried groups take the place of as many new prompts: the call starts
+        # ``started_prompts`` groups in all, so over-sampling decodes no more than without
+        # partial rollouts (the prompts left out are skipped, like cancelled ones).
+        fresh = max(0, len(prompts["index"]) - carry.groups)
         combined = {
-            "tokens": np.concatenate([carry.prompt_tokens, prompts["tokens"]]),
-            "mask": np.concatenate([carry.prompt_mask, prompts["mask"]]),
-            "index": np.concatenate([carry.prompt_ids, prompts["index"]]),
+            k: np.concatenate([c, prompts[k][:fresh]])
+            for k, c in (
+                ("tokens", carry.prompt_tokens),
+                ("mask", carry.prompt_mask),
+                ("index", carry.prompt_ids),
+            )
         }
         return carry, combined, dropped
 

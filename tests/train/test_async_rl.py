@@ -5,6 +5,7 @@ asynchronous run repeats the uninterrupted one, and the timeline records both gr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -458,9 +459,22 @@ def test_partial_rollout_groups_keep_their_tokens_versions(fast_compile, tmp_pat
     carry = trainer.partials
     assert carry is not None and carry.groups >= 1
     assert set(carry.prompt_ids) <= set(prompts["index"])  # dataset indices
-    second, timings, _ = trainer.sample(
-        jax.random.key(2), next(trainer.prompts), params, version=1, oldest=0
-    )
+    calls = []
+    engine = trainer.programs.engine
+
+    class Recording:  # records what the engine is asked to sample
+        def generate(self, params, tokens, mask, *args, **kwargs):
+            calls.append((np.asarray(tokens), kwargs["carry"]))
+            return engine.generate(params, tokens, mask, *args, **kwargs)
+
+    trainer.programs = dataclasses.replace(trainer.programs, engine=Recording())
+    drawn = next(trainer.prompts)
+    second, timings, _ = trainer.sample(jax.random.key(2), drawn, params, version=1, oldest=0)
+    fresh, passed = calls[-1]
+    assert passed is not None and passed.groups == carry.groups
+    # The carried groups take the place of as many new prompts, which come after them.
+    np.testing.assert_array_equal(fresh, drawn["tokens"][: len(drawn["tokens"]) - carry.groups])
+    assert second.rows == 16  # prompts_per_step x num_samples
     assert timings["rollout/partials_dropped"] == 0
     assert timings["rollout/oldest_version"] == 0 and timings["rollout/partial_rows"] > 0
     trainer.partials = carry
