@@ -67,7 +67,8 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
 
     Colocated: every learner mesh, the sampler on the training mesh or on its own
     data x tensor mesh over all devices. Separated (2+ devices): the sampler on the first
-    1/4, 1/2 or 3/4 of the devices, each side's meshes, the reference with the learner and
+    1/4, 1/2 or 3/4 of the devices (or the nearest count both sides can run on: ``_splits``),
+    each side's meshes, the reference with the learner and
     (where the run allows it: :func:`reference_may_move`) on the sampler's devices.
     """
     model = cfg.model.resolve()
@@ -90,8 +91,7 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
             if gen != mesh:
                 placement = {**base, "strategy": "colocated", "generate_mesh": gen}
                 yield {"placement": placement, "mesh": mesh}
-    splits = sorted({max(1, min(devices - 1, round(devices * f))) for f in (0.25, 0.5, 0.75)})
-    for k in splits if devices > 1 else ():
+    for k in _splits(cfg, model, devices):
         for smesh in _sampler_meshes(model, k):
             for lmesh, reference in itertools.product(_meshes(model, devices - k), places):
                 placement = {
@@ -102,6 +102,29 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
                     "reference": reference,
                 }
                 yield {"placement": placement, "mesh": lmesh}
+
+
+def _splits(cfg: RunConfig, model: ModelConfig, devices: int) -> list[int]:
+    """The sampler's device counts of the separated plans: for each of 1/4, 1/2 and 3/4 of
+    the devices, the nearest count whose two sides can run: a learner mesh whose data
+    shards divide a minibatch's rows and a sampler mesh whose data shards divide the
+    prompts (a split neither side can use would only be rejected after compiling)."""
+    if devices < 2:
+        return []
+    algo = rl_section(cfg)
+    rows = algo.rollout.rows // algo.loss.num_minibatches
+    prompts = algo.rollout.prompts_per_step
+
+    def runs(k: int) -> bool:
+        learner = any(rows % (m["data"] * m["fsdp"]) == 0 for m in _meshes(model, devices - k))
+        return learner and any(prompts % m["data"] == 0 for m in _sampler_meshes(model, k))
+
+    out = set()
+    for fraction in (0.25, 0.5, 0.75):
+        want = round(devices * fraction)
+        near = sorted(range(1, devices), key=lambda k: (abs(k - want), k))
+        out.update(next(([k] for k in near if runs(k)), []))
+    return sorted(out)
 
 
 def reference_may_move(cfg: RunConfig) -> bool:

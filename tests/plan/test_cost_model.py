@@ -4,6 +4,7 @@ rejection, cluster specs, the calibration fit and the config overlay."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -400,25 +401,41 @@ def cpu_devices():
 
 
 def test_layouts_and_memory_variants_of_the_8b_recipe():
-    """80 layouts of 8 devices for Llama-3-8B (32 heads, 8 KV heads), each separated one
-    twice (the reference with the learner or on the sampler's devices): the recipe's own
-    (fsdp 4 x tensor 2, the sampler on the training mesh) among them. Its micro-batch is
-    already one row and it already uses full remat: no memory variant is left to try."""
+    """Layouts of 8 devices for Llama-3-8B (32 heads, 8 KV heads): 46 colocated and 18
+    separated, each of those twice (the reference with the learner or on the sampler's
+    devices); the recipe's own (fsdp 4 x tensor 2, the sampler on the training mesh) among
+    them. Separated splits are 4 + 4 only: a 2-device sampler leaves 6 learner devices,
+    whose 6 or 3 data shards do not split a 16-row minibatch, and a 6-device sampler's 6 or
+    3 data shards do not split 64 prompts. Its micro-batch is already one row and it already
+    uses full remat: no memory variant is left to try."""
     from jaxrlhf.config import load_config
 
     cfg = load_config("configs/recipes/llama3_8b_ppo_8xh100.yaml")
     layouts = list(candidates.layouts(cfg, 8, cpu=False))
     moved = [o for o in layouts if o["placement"]["reference"] == "sampler"]
-    assert len(layouts) - len(moved) == 80 and moved
+    separated = [o for o in layouts if o["placement"]["strategy"] == "separated"]
+    assert len(layouts) - len(separated) == 46 and len(moved) == 18 and len(separated) == 36
     assert all(o["placement"]["strategy"] == "separated" for o in moved)
     lora = cfg.replace(lora=LoraConfig(rank=4))
     assert not candidates.reference_may_move(lora)
-    assert len(list(candidates.layouts(lora, 8, cpu=False))) == 80
+    assert len(list(candidates.layouts(lora, 8, cpu=False))) == 46 + 18
     own = layouts[candidates.configured(cfg, layouts, 8)]
     assert own["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
     assert own["placement"]["generate_mesh"] is None
-    separated = [o for o in layouts if o["placement"]["strategy"] == "separated"]
-    assert {len(o["placement"]["sampler"]["devices"]) for o in separated} == {2, 4, 6}
+    assert {len(o["placement"]["sampler"]["devices"]) for o in separated} == {4}
+    # With 48 prompts (12-row minibatches, which 6 learner shards split; 48 prompts, which
+    # 6 sampler shards split) the 2 + 6 and 6 + 2 splits come back.
+    wider = cfg.replace(
+        ppo=dataclasses.replace(
+            cfg.ppo, rollout=dataclasses.replace(cfg.ppo.rollout, prompts_per_step=48)
+        )
+    )
+    split = {
+        len(o["placement"]["sampler"]["devices"])
+        for o in candidates.layouts(wider, 8, False)
+        if o["placement"]["strategy"] == "separated"
+    }
+    assert split == {2, 4, 6}
     for o in separated:  # disjoint groups covering every device
         p = o["placement"]
         assert sorted(p["sampler"]["devices"] + p["learner"]["devices"]) == list(range(8))
