@@ -780,6 +780,12 @@ def _check_staleness(cfg: RunConfig, ctx: _Context) -> None:
             f"{every} lets the sampler's weights fall {every - 1} version(s) behind; set "
             f"{cfg.algorithm}.rollout.max_staleness >= {every - 1}",
         )
+    if algo.rollout.partial_rollouts and every > k:
+        ctx.fail(
+            "placement.weight_sync_every",
+            f"{every} with partial rollouts lets carried tokens fall more than "
+            f"{cfg.algorithm}.rollout.max_staleness = {k} versions behind; use at most {k}",
+        )
     if k and algo.reward.model_dir is not None:
         ctx.fail(
             f"{cfg.algorithm}.rollout.max_staleness",

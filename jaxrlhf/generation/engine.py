@@ -587,7 +587,10 @@ class _Run(EpisodeSteps):
         if len(running):
             read = self._read_slots(state, running)
             for i, slot in enumerate(running):
-                k = index[int(self.slot_row[slot])]
+                row = int(self.slot_row[slot])
+                if read.lengths[i] < self.prefix.get(row, 0):
+                    continue  # still feeding its carried tokens back: it stays as carried
+                k = index[row]
                 for name in ("tokens", "logprobs", "model_logprobs", "versions"):
                     out[name][k] = getattr(read, name)[i]
                 out["lengths"][k] = read.lengths[i]
@@ -732,7 +735,7 @@ class _Run(EpisodeSteps):
         if self.track:
             versions = np.where(mask, self.version, -1).astype(np.int32)
             for i, r in enumerate(rows):
-                fed = self.prefix.get(int(r), 0)
+                fed = min(self.prefix.get(int(r), 0), int(lengths[i]))
                 if fed:  # the carried tokens' own log-probs and versions
                     logprobs[i, :fed] = self.carry.logprobs[r, :fed]
                     model_lp[i, :fed] = self.carry.model_logprobs[r, :fed]

@@ -60,11 +60,12 @@ class Partials:
         return int(self.prompt_tokens.shape[0])
 
     def oldest(self) -> np.ndarray:
-        """[G] the oldest version among each group's tokens (a group with none yet: a large
-        value, it holds nothing stale)."""
+        """[G] the oldest version among each group's tokens; -1 for a group with none yet
+        (it holds no work, and no bound keeps it: a checkpoint boundary drops every group)."""
         n = self.tokens.shape[0] // max(self.groups, 1)
         held = np.where(self.versions >= 0, self.versions, np.iinfo(np.int32).max)
-        return held.reshape(self.groups, n * held.shape[1]).min(-1)
+        oldest = held.reshape(self.groups, n * held.shape[1]).min(-1)
+        return np.where(oldest == np.iinfo(np.int32).max, -1, oldest)
 
     def select(self, groups: np.ndarray) -> Partials:
         """These groups (indices into the G), in that order."""

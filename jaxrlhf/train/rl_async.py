@@ -29,7 +29,9 @@ elsewhere (a stop signal) records the prompt position of the first rollout not y
 on: the resumed run samples those prompts again with the restored weights (no prompt lost or
 repeated; the in-flight samples themselves are dropped). Partial rollouts: a drain point
 drops every carried group (each holds a token older than it), as does a restore, so a run
-resumed at one repeats the uninterrupted run there too.
+resumed at one repeats the uninterrupted run there too; the dropped groups' prompts are not
+sampled again (like over-sampled groups the engine cancels), and each rollout skips as many
+newly drawn prompts as it resumes carried groups (``rollout/prompts_skipped``).
 """
 
 from __future__ import annotations

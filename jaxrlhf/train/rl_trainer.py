@@ -314,6 +314,7 @@ class RLTrainer:
             carry, prompts, dropped = self._carried(prompts, oldest)  # carried groups first
             skip = 0 if carry is None else carry.groups
             timings["rollout/partials_dropped"] = float(dropped)
+            timings["rollout/prompts_skipped"] = float(skip)  # drawn, replaced by carried
         stream = None
         if r.stream_scoring and self.env_factory is None:
             shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]

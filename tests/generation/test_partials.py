@@ -141,3 +141,46 @@ def test_partials_refuse_episodes_and_other_shapes(setup):
             keep_partials=True,
             environments=object(),
         )
+
+
+def test_a_call_that_ends_while_a_sample_is_fed_back_keeps_it_carried(setup):
+    """One-token chunks and one group kept: the second call ends before the resumed samples
+    have their carried tokens back, so they leave as they came (lengths, tokens, versions),
+    not cut to the steps fed so far."""
+    cfg, params, tokens, mask, sampling = setup
+    engine = Engine(Sampler(cfg), slots=4, chunk=1)
+    first = engine.generate(
+        params, tokens, mask, jax.random.key(3), sampling, keep_groups=1, keep_partials=True
+    )
+    carry = first.partials
+    quick = SamplingParams(max_new_tokens=T, n=N, stop_token_ids=STOP, pad_token_id=0)
+    second = engine.generate(
+        params,
+        tokens[:1],
+        mask[:1],
+        jax.random.key(4),
+        quick,
+        max_new_tokens=[1],  # the new group ends after one step
+        carry=carry,
+        keep_groups=1,
+        keep_partials=True,
+        version=1,
+    )
+    again = second.partials
+    assert again is not None
+    compared = 0
+    for g in range(carry.groups):  # the carried groups come back first, in order
+        rows = slice(g * N, (g + 1) * N)
+        longer = carry.lengths[rows] > 1
+        if not longer.any():
+            continue
+        k = np.flatnonzero(again.prompt_ids == g)
+        if not len(k):
+            continue  # this one was kept
+        back = slice(int(k[0]) * N, (int(k[0]) + 1) * N)
+        assert (again.lengths[back] >= np.minimum(carry.lengths[rows], 1)).all()
+        np.testing.assert_array_equal(again.lengths[back][longer], carry.lengths[rows][longer])
+        np.testing.assert_array_equal(again.tokens[back][longer], carry.tokens[rows][longer])
+        np.testing.assert_array_equal(again.versions[back][longer], carry.versions[rows][longer])
+        compared += 1
+    assert compared > 0

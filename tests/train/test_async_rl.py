@@ -291,6 +291,22 @@ def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile
         ),
         (["placement.reference=critic"], "placement.reference: expected one of"),
         (
+            [
+                *ASYNC[:3],
+                "grpo.rollout.engine=continuous",
+                "grpo.rollout.stream_scoring=false",
+                "grpo.rollout.oversample_groups=2",
+                "grpo.rollout.partial_rollouts=true",
+                "grpo.rollout.max_staleness=2",
+                "placement.weight_sync_every=3",
+            ],
+            "placement.weight_sync_every: 3 with partial rollouts lets carried tokens fall",
+        ),
+        (
+            ["grpo.rollout.partial_rollouts=true"],
+            "grpo.rollout.partial_rollouts: needs engine: continuous",
+        ),
+        (
             [*SEPARATED, "placement.reference=sampler", "lora.rank=4"],
             "placement.reference: sampler: a LoRA policy's reference is its frozen base",
         ),
