@@ -37,8 +37,9 @@ keeps every program's shape and the per-row random numbers unchanged.
 
 Partial rollouts (``keep_partials``, ``carry``; ``jaxrlhf.generation.partials``): the groups
 still running when a call has kept enough are handed out instead of aborted, and the next
-call resumes them first: the prompt prefilled again, the sample's tokens fed back as forced
-tokens (the observation path), then sampling on from its own random numbers.
+call resumes them first: each carried sample's prompt and tokens so far prefilled in one
+pass into its slot (:func:`admit_resumed`), then sampling on from its own random numbers at
+the step where it stopped.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from jaxrlhf.generation.slots import (
     Finished,
     SlotState,
     admit,
+    admit_resumed,
     decode_chunk,
     empty_state,
     finish_slots,
@@ -184,6 +186,23 @@ class Engine:
             )
 
         return self._program("admit", (n, batch, prompt_len, max_new_tokens), build)
+
+    def resume_carried_program(self, rows: int, prompt_len: int, max_new_tokens: int) -> Any:
+        """Jitted :func:`admit_resumed` for ``rows`` carried samples; the state donated."""
+
+        def build():
+            fn = functools.partial(admit_resumed, self.cfg, self.sampler.constrain)
+            sh = self.state_shardings(prompt_len, max_new_tokens)
+            if sh is None:
+                return jax.jit(fn, donate_argnums=1)
+            return jax.jit(
+                fn,
+                in_shardings=(self.sampler.param_shardings, sh, None, None, None, None, None),
+                out_shardings=sh,
+                donate_argnums=1,
+            )
+
+        return self._program("resume_carried", (rows, prompt_len, max_new_tokens), build)
 
     def finish_program(self, prompt_len: int, max_new_tokens: int) -> Any:
         """Jitted :func:`finish_slots` (a stop string ended them on the host)."""
@@ -587,10 +606,7 @@ class _Run(EpisodeSteps):
         if len(running):
             read = self._read_slots(state, running)
             for i, slot in enumerate(running):
-                row = int(self.slot_row[slot])
-                if read.lengths[i] < self.prefix.get(row, 0):
-                    continue  # still feeding its carried tokens back: it stays as carried
-                k = index[row]
+                k = index[int(self.slot_row[slot])]
                 for name in ("tokens", "logprobs", "model_logprobs", "versions"):
                     out[name][k] = getattr(read, name)[i]
                 out["lengths"][k] = read.lengths[i]
@@ -641,9 +657,13 @@ class _Run(EpisodeSteps):
         dest = np.full(a * self.n, self.engine.slots, np.int32)
         dest[: groups * self.n] = free[: groups * self.n]
         rows = (index[:, None] * self.n + np.arange(self.n)).reshape(-1)
+        resumed = []  # (slot, row) of carried samples with tokens: prefilled on their own
         if self.carry is not None:  # a carried sample that finished takes no slot
             taken = np.isin(rows, list(self.prefix)) | (rows >= self.carried * self.n)
             dest[: groups * self.n][~taken[: groups * self.n]] = self.engine.slots
+            for k in range(groups * self.n):
+                if self.prefix.get(int(rows[k])):
+                    resumed.append((int(dest[k]), int(rows[k])))
         for k in range(groups * self.n):
             if dest[k] < self.engine.slots:
                 self.slot_group[dest[k]] = prompts[k // self.n]
@@ -657,29 +677,49 @@ class _Run(EpisodeSteps):
         used = dest[dest < self.engine.slots]
         self.decoding[used] = True
         self.slot_step[used] = 0
+        fresh = dest.copy()
+        fresh[np.isin(rows, [r for _, r in resumed])] = self.engine.slots
         fn = self.engine.admit_program(self.n, a, self.prompt_len, self.width)
         state = fn(
             self.params,
             state,
             self.tokens[index],
             self.mask[index],
-            dest,
+            fresh,
             np.asarray(self.uniforms)[rows],
             budgets,
         )
-        resumed = [
-            (int(d), int(r))
-            for d, r in zip(dest, rows, strict=True)
-            if d < self.engine.slots and self.prefix.get(int(r))
-        ]
-        if resumed:  # carried samples: their tokens so far are fed back, then they sample on
-            slots = np.array([d for d, _ in resumed], np.int32)
-            forced = np.full((len(resumed), self.width), -1, np.int32)
-            for i, (_, r) in enumerate(resumed):
-                forced[i, : self.prefix[r]] = self.carry.tokens[r, : self.prefix[r]]
-            fn = self.engine.resume_program(self.prompt_len, self.width)
-            state = fn(state, slots, forced, self.budgets[[r for _, r in resumed]])
+        if resumed:
+            state = self._resume_carried(state, resumed)
         return state
+
+    def _resume_carried(self, state: SlotState, resumed: list[tuple[int, int]]) -> SlotState:
+        """Carried samples with tokens: each slot's prompt and tokens so far prefilled in one
+        pass (rows padded to a power of two, at most the slots: few compiles)."""
+        count, width, p = len(resumed), self.width, self.prompt_len
+        rows = min(self.engine.slots, 1 << (count - 1).bit_length())
+        slots = np.full(rows, self.engine.slots, np.int32)
+        ids = np.full(rows, resumed[0][1])  # padding rows repeat the first (dropped)
+        for i, (slot, row) in enumerate(resumed):
+            slots[i], ids[i] = slot, row
+            self.slot_step[slot] = self.prefix[row]
+        carried = self.carry.tokens[ids]
+        fed = np.array([self.prefix[int(r)] for r in ids])
+        region_mask = np.concatenate(
+            [self.mask[ids // self.n], np.arange(width)[None, :] < fed[:, None]], axis=1
+        )
+        region = np.concatenate([self.tokens[ids // self.n], carried], axis=1)
+        region = np.where(region_mask, region, self.sampling.pad_token_id).astype(np.int32)
+        fn = self.engine.resume_carried_program(rows, p, width)
+        return fn(
+            self.params,
+            state,
+            region,
+            region_mask,
+            slots,
+            np.asarray(self.uniforms)[ids],
+            self.budgets[ids],
+        )
 
     def _harvest(self, state: SlotState) -> SlotState:
         """Reads every finished sample out of its slot and frees the slot at once (its

@@ -6,14 +6,15 @@ enough groups have finished; the groups still running would be aborted. A call w
 samples' random numbers and budgets, the tokens each sample has so far with their
 log-probs as sampled, and the version of the weights that sampled each token (an integer
 the caller names its weights by). The next call takes them back (``carry``) ahead of its
-own prompts: a carried sample's prompt is prefilled again and its tokens are fed back one
-per decode step (the multi-turn observation path), under the new weights, then it samples
-on from its own random numbers at the step where it stopped. Its finished row keeps the
-carried tokens' log-probs and versions, so the behaviour log-probs stay per token (AReaL's
-partial rollouts; the importance weights in ``jaxrlhf.losses.correction`` correct for the
-mix). Under unchanged weights a carried sample ends exactly as it would have without the
-interruption (tokens exact; the recomputed cache rounds like the original, since every
-token goes through the same decode step).
+own prompts: a carried sample's prompt and tokens so far are prefilled in one pass under
+the new weights (``slots.admit_resumed``: the slot's whole ``[prompt | tokens]`` region, so
+the cache holds them where decoding put them), then it samples on from its own random
+numbers at the step where it stopped. Its finished row keeps the carried tokens' log-probs
+and versions, so the behaviour log-probs stay per token (AReaL's partial rollouts; the
+importance weights in ``jaxrlhf.losses.correction`` correct for the mix). Under unchanged
+weights a carried sample ends as it would have without the interruption: the same tokens,
+log-probs to float32 rounding (the prefill computes the carried tokens' keys and values in
+one batch where decoding computed them one at a time).
 """
 
 from __future__ import annotations

@@ -183,6 +183,52 @@ def admit(
     )
 
 
+def admit_resumed(
+    cfg: ModelConfig,
+    constrain: Constrain,
+    params: Any,
+    state: SlotState,
+    tokens: Int[Array, "A PT"],
+    mask: Bool[Array, "A PT"],
+    dest: Int[Array, " A"],
+    uniforms: Float[Array, "A T"],
+    budget: Int[Array, " A"],
+) -> SlotState:
+    """Resumes ``A`` carried samples (partial rollouts) in slots ``dest``: each row is the
+    slot's whole region ``[prompt (P) | tokens so far (T)]``, prefilled in one pass, so the
+    cache holds the prompt and the carried tokens where decoding would have put them and the
+    slot samples on at step ``g`` (its carried tokens, ``mask[:, P:]``'s count) from its own
+    random numbers. ``dest`` >= S drops a row (padding)."""
+    prompt_len = state.prefix_mask.shape[1]
+    logits, cache, positions = decode_lib.prefill(cfg, constrain, params, tokens, mask)
+    carried = mask[:, prompt_len:].sum(-1, dtype=jnp.int32)
+
+    def put(x, value):
+        return x.at[dest].set(value.astype(x.dtype), mode="drop")
+
+    zeros = jnp.zeros(uniforms.shape, jnp.float32)
+    return state.replace(
+        cache=state.cache.replace(
+            k=tuple(put(f, k) for f, k in zip(state.cache.k, cache.prefix_k, strict=True)),
+            v=tuple(put(f, v) for f, v in zip(state.cache.v, cache.prefix_v, strict=True)),
+        ),
+        logits=put(state.logits, logits),
+        tokens=put(state.tokens, tokens[:, prompt_len:]),
+        logprobs=put(state.logprobs, zeros),  # the carried ones are the host's
+        model_logprobs=put(state.model_logprobs, zeros),
+        step=put(state.step, carried),
+        positions=put(state.positions, mask.sum(-1, dtype=jnp.int32)),
+        prefix_mask=put(state.prefix_mask, mask[:, :prompt_len]),
+        prefix_positions=put(state.prefix_positions, positions[:, :prompt_len]),
+        lengths=put(state.lengths, carried),
+        done=put(state.done, jnp.zeros(dest.shape, bool)),
+        stopped=put(state.stopped, jnp.zeros(dest.shape, bool)),
+        budget=put(state.budget, budget),
+        uniforms=put(state.uniforms, uniforms),
+        forced=put(state.forced, jnp.full(uniforms.shape, -1, jnp.int32)),
+    )
+
+
 def finish_slots(state: SlotState, slots: Int[Array, " F"], lengths: Int[Array, " F"]) -> SlotState:
     """Ends the requests in ``slots`` at ``lengths`` tokens, as stopped (a stop string).
 

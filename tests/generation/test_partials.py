@@ -143,23 +143,23 @@ def test_partials_refuse_episodes_and_other_shapes(setup):
         )
 
 
-def test_a_call_that_ends_while_a_sample_is_fed_back_keeps_it_carried(setup):
-    """One-token chunks and one group kept: the second call ends before the resumed samples
-    have their carried tokens back, so they leave as they came (lengths, tokens, versions),
-    not cut to the steps fed so far."""
+def test_a_call_that_ends_soon_after_resuming_carries_the_samples_on(setup):
+    """One-token chunks and one group kept, the new group ending after one step: the call
+    ends right after the carried samples were resumed. They leave with their carried tokens
+    (and versions) unchanged and whatever they sampled since (version 1) after them: a
+    resumed sample never goes back (its prompt and tokens are prefilled in one pass)."""
     cfg, params, tokens, mask, sampling = setup
     engine = Engine(Sampler(cfg), slots=4, chunk=1)
     first = engine.generate(
         params, tokens, mask, jax.random.key(3), sampling, keep_groups=1, keep_partials=True
     )
     carry = first.partials
-    quick = SamplingParams(max_new_tokens=T, n=N, stop_token_ids=STOP, pad_token_id=0)
     second = engine.generate(
         params,
         tokens[:1],
         mask[:1],
         jax.random.key(4),
-        quick,
+        sampling,
         max_new_tokens=[1],  # the new group ends after one step
         carry=carry,
         keep_groups=1,
@@ -169,18 +169,17 @@ def test_a_call_that_ends_while_a_sample_is_fed_back_keeps_it_carried(setup):
     again = second.partials
     assert again is not None
     compared = 0
-    for g in range(carry.groups):  # the carried groups come back first, in order
-        rows = slice(g * N, (g + 1) * N)
-        longer = carry.lengths[rows] > 1
-        if not longer.any():
-            continue
-        k = np.flatnonzero(again.prompt_ids == g)
-        if not len(k):
-            continue  # this one was kept
-        back = slice(int(k[0]) * N, (int(k[0]) + 1) * N)
-        assert (again.lengths[back] >= np.minimum(carry.lengths[rows], 1)).all()
-        np.testing.assert_array_equal(again.lengths[back][longer], carry.lengths[rows][longer])
-        np.testing.assert_array_equal(again.tokens[back][longer], carry.tokens[rows][longer])
-        np.testing.assert_array_equal(again.versions[back][longer], carry.versions[rows][longer])
-        compared += 1
-    assert compared > 0
+    for k, g in enumerate(again.prompt_ids):
+        if g >= carry.groups:
+            continue  # the new group
+        rows, back = slice(g * N, (g + 1) * N), slice(k * N, (k + 1) * N)
+        for before, after in zip(range(g * N, (g + 1) * N), range(k * N, (k + 1) * N), strict=True):
+            fed = int(carry.lengths[before])
+            assert again.lengths[after] >= fed
+            np.testing.assert_array_equal(again.tokens[after, :fed], carry.tokens[before, :fed])
+            np.testing.assert_array_equal(again.versions[after, :fed], carry.versions[before, :fed])
+            new = again.versions[after, fed : again.lengths[after]]
+            assert (new == 1).all()
+            compared += int(not carry.finished[before] and fed > 0)
+        assert (again.finished[back] >= carry.finished[rows]).all()
+    assert compared > 0  # a resumed, unfinished sample was carried on
