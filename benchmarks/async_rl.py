@@ -72,7 +72,11 @@ for _mode in ("async-over", "async-partial"):
 
 
 def run_config(mode: str, seed: int, args: argparse.Namespace, out: str) -> dict:
-    rollout = {"prompts_per_step": PROMPTS, "num_samples": SAMPLES, "max_new_tokens": 10}
+    rollout = {
+        "prompts_per_step": PROMPTS,
+        "num_samples": SAMPLES,
+        "max_new_tokens": args.max_new_tokens,
+    }
     loss = {"epochs": 1, "num_minibatches": 2, "clip_high": 0.28}
     if mode.startswith("async"):
         rollout["max_staleness"] = 1
@@ -82,7 +86,7 @@ def run_config(mode: str, seed: int, args: argparse.Namespace, out: str) -> dict
             engine="continuous",
             stream_scoring=False,
             oversample_groups=OVERSAMPLE,
-            chunk_tokens=2,
+            chunk_tokens=16,
             partial_rollouts=mode == "async-partial",
             max_staleness=2 if mode == "async-partial" else 1,  # carried tokens 1 older
         )
@@ -94,7 +98,7 @@ def run_config(mode: str, seed: int, args: argparse.Namespace, out: str) -> dict
         "data": {
             "train": "builtin:sort",
             "eval_size": 0,
-            "max_length": 32,
+            "max_length": 16 + max(16, args.max_new_tokens),
             "max_prompt_length": 16,
             "seed": seed,
         },
@@ -171,6 +175,12 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=10,
+        help="R3 uses 10; longer budgets give long-tailed lengths (a random model's EOS)",
+    )
     parser.add_argument("--modes", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
