@@ -170,39 +170,36 @@ class Engine:
             "empty", (prompt_len, max_new_tokens), lambda: jax.jit(fn, out_shardings=sh)
         )
 
+    def _jit_admission(self, fn: Callable, prompt_len: int, max_new_tokens: int) -> Any:
+        """``fn(params, state, *five host arrays)`` jitted with the params in the sampler's
+        layout and the state in the slots' (donated)."""
+        sh = self.state_shardings(prompt_len, max_new_tokens)
+        if sh is None:
+            return jax.jit(fn, donate_argnums=1)
+        return jax.jit(
+            fn,
+            in_shardings=(self.sampler.param_shardings, sh, None, None, None, None, None),
+            out_shardings=sh,
+            donate_argnums=1,
+        )
+
     def admit_program(self, n: int, batch: int, prompt_len: int, max_new_tokens: int) -> Any:
         """Jitted :func:`admit` for ``batch`` prompts of ``n`` samples; the state donated."""
-
-        def build():
-            fn = functools.partial(admit, self.cfg, self.sampler.constrain, n)
-            sh = self.state_shardings(prompt_len, max_new_tokens)
-            if sh is None:
-                return jax.jit(fn, donate_argnums=1)
-            return jax.jit(
-                fn,
-                in_shardings=(self.sampler.param_shardings, sh, None, None, None, None, None),
-                out_shardings=sh,
-                donate_argnums=1,
-            )
-
-        return self._program("admit", (n, batch, prompt_len, max_new_tokens), build)
+        fn = functools.partial(admit, self.cfg, self.sampler.constrain, n)
+        return self._program(
+            "admit",
+            (n, batch, prompt_len, max_new_tokens),
+            lambda: self._jit_admission(fn, prompt_len, max_new_tokens),
+        )
 
     def resume_carried_program(self, rows: int, prompt_len: int, max_new_tokens: int) -> Any:
         """Jitted :func:`admit_resumed` for ``rows`` carried samples; the state donated."""
-
-        def build():
-            fn = functools.partial(admit_resumed, self.cfg, self.sampler.constrain)
-            sh = self.state_shardings(prompt_len, max_new_tokens)
-            if sh is None:
-                return jax.jit(fn, donate_argnums=1)
-            return jax.jit(
-                fn,
-                in_shardings=(self.sampler.param_shardings, sh, None, None, None, None, None),
-                out_shardings=sh,
-                donate_argnums=1,
-            )
-
-        return self._program("resume_carried", (rows, prompt_len, max_new_tokens), build)
+        fn = functools.partial(admit_resumed, self.cfg, self.sampler.constrain)
+        return self._program(
+            "resume_carried",
+            (rows, prompt_len, max_new_tokens),
+            lambda: self._jit_admission(fn, prompt_len, max_new_tokens),
+        )
 
     def finish_program(self, prompt_len: int, max_new_tokens: int) -> Any:
         """Jitted :func:`finish_slots` (a stop string ended them on the host)."""

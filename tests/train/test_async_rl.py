@@ -34,6 +34,16 @@ ASYNC = (
 )
 
 
+# Partial rollouts: the engine over-samples 2 groups and carries the unfinished ones.
+PARTIAL = (
+    "grpo.rollout.engine=continuous",
+    "grpo.rollout.stream_scoring=false",
+    "grpo.rollout.oversample_groups=2",
+    "grpo.rollout.partial_rollouts=true",
+    "grpo.rollout.chunk_tokens=2",
+)
+
+
 def test_separated_does_the_colocated_math(fast_compile, tmp_path):
     """The same rollout learned on all 8 devices and on the learner group (devices 4-7, the
     sampler on 0-3): the same update to 1e-5."""
@@ -433,11 +443,7 @@ def test_partial_rollouts_carry_unfinished_groups_within_the_staleness_bound(
         *ASYNC,
         "train.steps=5",
         "grpo.rollout.max_staleness=2",
-        "grpo.rollout.engine=continuous",
-        "grpo.rollout.stream_scoring=false",
-        "grpo.rollout.oversample_groups=2",
-        "grpo.rollout.partial_rollouts=true",
-        "grpo.rollout.chunk_tokens=2",
+        *PARTIAL,
         "grpo.loss.rollout_correction={weights: truncate, cap: 2.0}",
     )
     result = loop.run(cfg, source=src)
@@ -462,11 +468,7 @@ def test_partial_rollout_groups_keep_their_tokens_versions(fast_compile, tmp_pat
         "grpo",
         *ASYNC,
         "grpo.rollout.max_staleness=1",
-        "grpo.rollout.engine=continuous",
-        "grpo.rollout.stream_scoring=false",
-        "grpo.rollout.oversample_groups=2",
-        "grpo.rollout.partial_rollouts=true",
-        "grpo.rollout.chunk_tokens=2",
+        *PARTIAL,
     )
     trainer = build_rl_trainer(cfg, source=src)
     params, _ = trainer.generate_params()
