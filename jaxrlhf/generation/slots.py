@@ -10,6 +10,7 @@ host's decisions (stop strings, multi-turn observations). The scheduling around 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -145,9 +146,6 @@ def admit(
     )
     prompt_len = prompt_tokens.shape[1]
 
-    def put(x, new):
-        return x.at[dest].set(jnp.repeat(new, n, axis=0).astype(x.dtype), mode="drop")
-
     def put_prefix(full, prefix, axis):
         region = jnp.repeat(prefix, n, axis=0).astype(full.dtype)
         index = (dest, slice(None), slice(None), slice(0, prompt_len))
@@ -159,27 +157,58 @@ def admit(
         k=tuple(put_prefix(f, p, 3) for f, p in zip(state.cache.k, cache.prefix_k, strict=True)),
         v=tuple(put_prefix(f, p, 2) for f, p in zip(state.cache.v, cache.prefix_v, strict=True)),
     )
-    zeros = jnp.zeros((dest.shape[0], state.tokens.shape[1]), jnp.float32)
+    repeat = functools.partial(jnp.repeat, repeats=n, axis=0)
+    return _start_requests(
+        state.replace(cache=new_cache),
+        dest,
+        logits=repeat(logits),
+        tokens=jnp.zeros(uniforms.shape, jnp.int32),
+        step=jnp.zeros(dest.shape, jnp.int32),
+        positions=repeat(prompt_mask.sum(-1, dtype=jnp.int32)),
+        prefix_mask=repeat(prompt_mask),
+        prefix_positions=repeat(positions),
+        budget=budget,
+        uniforms=uniforms,
+    )
 
-    def set_rows(x, value):
+
+def _start_requests(
+    state: SlotState,
+    dest: Int[Array, " R"],
+    *,
+    logits: Float[Array, "R V"],
+    tokens: Int[Array, "R T"],
+    step: Int[Array, " R"],
+    positions: Int[Array, " R"],
+    prefix_mask: Bool[Array, "R P"],
+    prefix_positions: Int[Array, "R P"],
+    budget: Int[Array, " R"],
+    uniforms: Float[Array, "R T"],
+) -> SlotState:
+    """Slots ``dest`` (an index >= S: dropped) start a request each from these rows: its
+    next logits, its ``step`` tokens so far (their log-probs 0: the host holds any carried
+    ones), positions, prompt mask and positions, budget and random numbers; running, nothing
+    forced. The caches are the caller's."""
+
+    def put(x, value):
         return x.at[dest].set(value.astype(x.dtype), mode="drop")
 
+    zeros = jnp.zeros(uniforms.shape, jnp.float32)
     return state.replace(
-        cache=new_cache,
         logits=put(state.logits, logits),
-        tokens=set_rows(state.tokens, zeros.astype(jnp.int32)),
-        logprobs=set_rows(state.logprobs, zeros),
-        model_logprobs=set_rows(state.model_logprobs, zeros),
-        step=set_rows(state.step, jnp.zeros(dest.shape, jnp.int32)),
-        positions=put(state.positions, prompt_mask.sum(-1, dtype=jnp.int32)),
-        prefix_mask=put(state.prefix_mask, prompt_mask),
-        prefix_positions=put(state.prefix_positions, positions),
-        lengths=set_rows(state.lengths, jnp.zeros(dest.shape, jnp.int32)),
-        done=set_rows(state.done, jnp.zeros(dest.shape, bool)),
-        stopped=set_rows(state.stopped, jnp.zeros(dest.shape, bool)),
-        budget=set_rows(state.budget, budget),
-        uniforms=set_rows(state.uniforms, uniforms),
-        forced=set_rows(state.forced, jnp.full(zeros.shape, -1, jnp.int32)),
+        tokens=put(state.tokens, tokens),
+        logprobs=put(state.logprobs, zeros),
+        model_logprobs=put(state.model_logprobs, zeros),
+        step=put(state.step, step),
+        positions=put(state.positions, positions),
+        prefix_mask=put(state.prefix_mask, prefix_mask),
+        prefix_positions=put(state.prefix_positions, prefix_positions),
+        lengths=put(state.lengths, step),
+        done=put(state.done, jnp.zeros(dest.shape, bool)),
+        stopped=put(state.stopped, jnp.zeros(dest.shape, bool)),
+        budget=put(state.budget, budget),
+        uniforms=put(state.uniforms, uniforms),
+        forced=put(state.forced, jnp.full(uniforms.shape, -1, jnp.int32)),
     )
 
 
@@ -206,26 +235,21 @@ def admit_resumed(
     def put(x, value):
         return x.at[dest].set(value.astype(x.dtype), mode="drop")
 
-    zeros = jnp.zeros(uniforms.shape, jnp.float32)
-    return state.replace(
-        cache=state.cache.replace(
-            k=tuple(put(f, k) for f, k in zip(state.cache.k, cache.prefix_k, strict=True)),
-            v=tuple(put(f, v) for f, v in zip(state.cache.v, cache.prefix_v, strict=True)),
-        ),
-        logits=put(state.logits, logits),
-        tokens=put(state.tokens, tokens[:, prompt_len:]),
-        logprobs=put(state.logprobs, zeros),  # the carried ones are the host's
-        model_logprobs=put(state.model_logprobs, zeros),
-        step=put(state.step, carried),
-        positions=put(state.positions, mask.sum(-1, dtype=jnp.int32)),
-        prefix_mask=put(state.prefix_mask, mask[:, :prompt_len]),
-        prefix_positions=put(state.prefix_positions, positions[:, :prompt_len]),
-        lengths=put(state.lengths, carried),
-        done=put(state.done, jnp.zeros(dest.shape, bool)),
-        stopped=put(state.stopped, jnp.zeros(dest.shape, bool)),
-        budget=put(state.budget, budget),
-        uniforms=put(state.uniforms, uniforms),
-        forced=put(state.forced, jnp.full(uniforms.shape, -1, jnp.int32)),
+    cache = state.cache.replace(
+        k=tuple(put(f, k) for f, k in zip(state.cache.k, cache.prefix_k, strict=True)),
+        v=tuple(put(f, v) for f, v in zip(state.cache.v, cache.prefix_v, strict=True)),
+    )
+    return _start_requests(
+        state.replace(cache=cache),
+        dest,
+        logits=logits,
+        tokens=tokens[:, prompt_len:],
+        step=carried,
+        positions=mask.sum(-1, dtype=jnp.int32),
+        prefix_mask=mask[:, :prompt_len],
+        prefix_positions=positions[:, :prompt_len],
+        budget=budget,
+        uniforms=uniforms,
     )
 
 
