@@ -13,20 +13,16 @@ import pytest
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
 from jaxrlhf.generation.partials import concat_partials
-from jaxrlhf.models import model as M
-from jaxrlhf.models.config import ModelConfig
+from tests.generation.test_engine import STOP, B, P, T
+from tests.generation.test_engine import setup as engine_setup  # noqa: F401, F811 (a fixture)
 
-B, P, T, N = 6, 8, 12, 2
-STOP = tuple(range(40, 56))  # rows stop at many lengths
+N = 2  # samples per prompt
 
 
 @pytest.fixture(scope="module")
-def setup():
-    cfg = ModelConfig.tiny()
-    params = M.init_params(cfg, jax.random.key(0))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(60, cfg.vocab_size, (B, P)).astype(np.int32)
-    mask = np.arange(P)[None] >= rng.integers(0, P - 1, B)[:, None]
+def setup(engine_setup):  # noqa: F811 (the fixture imported above)
+    """test_engine's model and prompts (mixed lengths), sampled with its stop ids."""
+    cfg, params, tokens, mask = engine_setup
     sampling = SamplingParams(max_new_tokens=T, n=N, stop_token_ids=STOP, pad_token_id=0)
     return cfg, params, tokens, mask, sampling
 
