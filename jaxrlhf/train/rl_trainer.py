@@ -554,10 +554,7 @@ class RLTrainer:
         timings["dynamic/rollouts"] = float(attempt + 1)
         timings["dynamic/informative_frac"] = len(kept) / ((attempt + 1) * want)
         chosen = (kept + flat)[:want]  # short of informative groups: flat ones add 0 signal
-        rollout = concatenate(chosen)
-        if self.programs.sampler_reference is not None:  # the kept groups' only
-            rollout, timings["time/reference_s"] = self.reference_on_sampler(rollout)
-        return rollout, timings
+        return concatenate(chosen), timings  # learn() scores a sampler-side reference
 
     def step(self) -> StepOutput:
         """One full RL iteration; its host metrics (rewards, KL, losses, timings)."""
