@@ -2,15 +2,16 @@
 
 The settings are process-wide and must precede JAX's backend, so the real check runs in a
 fresh process: there a jitted program with four 32 MiB float32 intermediates live at once (a
-temporary buffer of at least 128 MiB) runs 16 times, and most of the last 12 runs (at least
-8) must page-fault in fewer than a quarter of those pages. Not all: now and then a small
+temporary buffer of at least 128 MiB) runs 28 times, and at most half of the last 24 runs
+may page-fault in a quarter or more of those pages. Not all reuse it: now and then a small
 allocation made between two runs takes a piece of the freed buffer, which then no longer
-fits the next run's, and the heap grows by one buffer that is faulted in fresh (measured in
-20 processes of 12-14 runs, two at a time: 0-3 such runs after the first, most often in runs
-2-4, at most 2 in runs 5-14; a CI run with 6 runs saw 2 in runs 3-4). Without the settings
-glibc maps the buffer fresh on every run (checked too: every one of the last 12 runs faults
-in more than half of the pages; measured 32,769-33,799 each). Faults are counted by the kernel
-(``getrusage``), not timed, so the check does not depend on machine speed.
+fits the next run's, and the heap grows by one buffer that is faulted in fresh. How often
+varies: 0-3 of 24 runs in four processes at once on a 2-core VM, but one CI run saw 5 of 12
+(hence a bound of half over a longer window rather than a third over 12). Without the
+settings glibc maps the buffer fresh on every run (checked too: every one of the last 24
+runs faults in more than half of the pages; measured 32,769-33,799 each). Faults are
+counted by the kernel (``getrusage``), not timed, so the check does not depend on machine
+speed.
 """
 
 import json
@@ -38,7 +39,7 @@ def step(x):  # intermediates of 32 MiB each, live together: a temp buffer of >=
 
 x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 1024, 256)), jnp.float32)
 outputs, faults = [], []
-for _ in range(16):
+for _ in range(28):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     outputs.append(np.asarray(step(x)))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -74,11 +75,11 @@ def test_later_steps_reuse_their_temporary_buffer():
     assert with_reuse["reason"] is None
     assert with_reuse["async"] is False
     assert with_reuse["same"]
-    refaulted = [f for f in with_reuse["faults"][-12:] if f >= pages // 4]
-    assert len(refaulted) <= 4, with_reuse
+    refaulted = [f for f in with_reuse["faults"][-24:] if f >= pages // 4]
+    assert len(refaulted) <= 12, with_reuse
     # The reference: the same program with glibc's and JAX's defaults faults it all in again.
     default = _run("default")
-    assert min(default["faults"][-12:]) > pages // 2, default
+    assert min(default["faults"][-24:]) > pages // 2, default
 
 
 def test_not_applied_once_a_backend_exists_or_when_opted_out(monkeypatch):
