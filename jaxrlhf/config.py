@@ -54,7 +54,12 @@ from jaxrlhf.data.config import DataConfig, TokenizerConfig
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tasks import BUILTIN_TASKS
 from jaxrlhf.sharding.mesh import MeshConfig, MeshError, resolve_mesh_shape
-from jaxrlhf.sharding.placement import PlacementConfig, generate_shards, train_device_count
+from jaxrlhf.sharding.placement import (
+    PlacementConfig,
+    generate_shards,
+    reference_shards,
+    train_device_count,
+)
 from jaxrlhf.train.config import (
     CheckpointConfig,
     DPOConfig,
@@ -559,9 +564,9 @@ class RunLayout:
         None: the sampler uses the training mesh.
       num_micro: gradient-accumulation micro-batches per update (RL: per minibatch).
       rl: the RL sizes (PPO and GRPO), else None.
-      reference_rl: ``placement.reference: sampler``: the reference forward's scoring sizes
-        on the sampler's data shards (:func:`~jaxrlhf.train.rl_config.score_layout`), else
-        None.
+      reference_rl: ``placement.reference: sampler | own``: the reference forward's scoring
+        sizes on the sampler's (or its own group's) data shards
+        (:func:`~jaxrlhf.train.rl_config.score_layout`), else None.
     """
 
     model: ModelConfig
@@ -739,13 +744,17 @@ def _generate_shards(cfg: RunConfig, devices: int, ctx: _Context) -> int | None:
 
 
 def _check_interleaved(cfg: RunConfig, devices: int, train: int, ctx: _Context) -> None:
-    """An interleaved placement has a critic (PPO) whose group's data shards equal the
-    learner's (the two updates split the rollout alike)."""
+    """An interleaved placement's critic group (PPO) has the learner's data shards (the two
+    updates split the rollout alike); the GRPO family interleaves the reference alone."""
     placement = cfg.placement
-    if placement.strategy != "interleaved":
+    if placement.strategy != "interleaved" or placement.critic is None:
         return
     if cfg.algorithm != "ppo":
-        ctx.fail("placement.strategy", "interleaved puts the critic on its own devices: ppo only")
+        ctx.fail(
+            "placement.critic",
+            f"{cfg.algorithm} has no critic; interleave its reference instead "
+            "(placement.reference: own with placement.reference_group)",
+        )
     if cfg.ppo.hydra:
         ctx.fail(
             "placement.strategy",
@@ -802,34 +811,45 @@ def _check_staleness(cfg: RunConfig, ctx: _Context) -> None:
         )
 
 
-def _reference_layout(cfg: RunConfig, sampler_shards: int | None, ctx: _Context) -> RLLayout | None:
-    """``placement.reference: sampler``: the reference forward's sizes on the sampler's data
-    shards; not with a Hydra or LoRA policy (their reference is part of the learner's
-    weights) nor with streamed scoring (it runs the reference on the learner's devices)."""
-    if cfg.placement.reference != "sampler":
+def _reference_layout(
+    cfg: RunConfig, sampler_shards: int | None, devices: int, ctx: _Context
+) -> RLLayout | None:
+    """``placement.reference: sampler | own``: the reference forward's sizes on the sampler's
+    (or its own group's) data shards; not with a Hydra or LoRA policy (their reference is
+    part of the learner's weights) nor with streamed scoring (it runs the reference on the
+    learner's devices)."""
+    where = cfg.placement.reference
+    if where == "learner":
         return None
     algo = rl_section(cfg)
     if cfg.algorithm == "ppo" and cfg.ppo.hydra:
         ctx.fail(
             "placement.reference",
-            "sampler: a Hydra critic's reference is the shared trunk on the learner's devices",
+            f"{where}: a Hydra critic's reference is the shared trunk on the learner's devices",
         )
     if cfg.lora is not None:
         ctx.fail(
             "placement.reference",
-            "sampler: a LoRA policy's reference is its frozen base on the learner's devices",
+            f"{where}: a LoRA policy's reference is its frozen base on the learner's devices",
         )
     r = algo.rollout
     if r.engine == "continuous" and r.stream_scoring and r.environment is None:
         ctx.fail(
             "placement.reference",
-            f"sampler: streamed scoring runs the reference on the learner's devices while the "
+            f"{where}: streamed scoring runs the reference on the learner's devices while the "
             f"engine decodes; set {cfg.algorithm}.rollout.stream_scoring: false",
         )
+    shards, whose = sampler_shards, "the sampler's data shards"
+    if where == "own":
+        try:
+            shards, whose = reference_shards(cfg.placement, devices), "its group's data shards"
+        except MeshError as e:
+            field, _, problem = str(e).partition(": ")
+            ctx.fail(field, problem)
     try:
-        return score_layout(algo, cfg.algorithm, sampler_shards)
+        return score_layout(algo, cfg.algorithm, shards)
     except ValueError as e:
-        ctx.fail("placement.reference", f"sampler: {e} (the sampler's data shards)")
+        ctx.fail("placement.reference", f"{where}: {e} ({whose})")
 
 
 def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Context) -> None:
@@ -944,8 +964,8 @@ def validate(
             logger.warning("%s: %s", ctx.source_of(f"{cfg.algorithm}.rollout"), note)
         _check_engine(cfg, generate or shards, devices, ctx)
         _check_staleness(cfg, ctx)
-        reference_rl = _reference_layout(cfg, generate, ctx)
-        if cfg.placement.strategy == "interleaved":  # the critic's values are scored apart
+        reference_rl = _reference_layout(cfg, generate, devices, ctx)
+        if cfg.placement.critic is not None:  # interleaved: the critic's values are scored apart
             rl = dataclasses.replace(rl, reuse_value_forward=False)
         num_micro = rl.num_micro
     else:

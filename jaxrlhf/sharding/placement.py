@@ -37,12 +37,16 @@ Strategies (``strategy``) put roles on device groups of their own:
   sampler`` the frozen reference's forward runs on the sampler's group too, right after
   each batch is sampled (its copy of the reference is placed there once): the learner,
   usually the busier side, keeps only the policy's (and critic's) work.
-* ``interleaved`` (PPO): the critic on a ``critic`` group of its own, the policy and the
-  reference on the ``learner`` group (the sampler on its ``sampler`` group if one is given,
-  else on the learner's): the critic's value forward and update run while the policy's
-  scoring forwards and update run (a host thread dispatches the critic's update). The
-  groups' data shards (data x fsdp) must be equal, so both updates split the rollout alike.
-  Not with a Hydra critic (``ppo.value.branch_layer``): it shares the policy's trunk.
+* ``interleaved``: independent roles on exclusive groups, running at once. PPO: the critic
+  on a ``critic`` group of its own, the policy (and reference) on the ``learner`` group:
+  the critic's value forward and update run while the policy's scoring forwards and update
+  run (a host thread dispatches the critic's update); the groups' data shards (data x
+  fsdp) must be equal, so both updates split the rollout alike. Not with a Hydra critic
+  (``ppo.value.branch_layer``): it shares the policy's trunk. Every RL algorithm (the GRPO
+  family needs it, having no critic): ``reference: own`` puts the frozen reference on a
+  ``reference_group`` of its own, whose scoring forward runs (from a host thread) while the
+  learner's old-policy forward runs; its log-probs then join the learner's advantages. The
+  sampler samples on its ``sampler`` group if one is given, else on the learner's.
 
 A group is ``{devices: [i, ...]}`` (indices into ``jax.devices()``) or ``{fraction: f}`` (the
 next ``round(f * n)`` devices not taken), with an optional ``mesh`` shape over it (default:
@@ -66,8 +70,8 @@ from jaxrlhf.sharding.mesh import MeshConfig, MeshError, make_mesh, resolve_mesh
 
 _ALL = -1
 STRATEGIES = ("colocated", "separated", "interleaved")
-ROLE_GROUPS = ("sampler", "learner", "critic")
-REFERENCE_PLACES = ("learner", "sampler")
+ROLE_GROUPS = ("sampler", "learner", "critic", "reference_group")
+REFERENCE_PLACES = ("learner", "sampler", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,16 +115,19 @@ class PlacementConfig:
         the other algorithms (like the ``ppo``/``grpo`` sections).
       strategy: ``colocated`` (roles time-share the training mesh) or ``separated`` (the
         sampler on its own devices: module docstring).
-      sampler, learner, critic: the device groups (:class:`DeviceGroup`) of ``separated``
-        (sampler, learner) and ``interleaved`` (critic, learner, optionally sampler); the
-        learner group defaults to every device the others do not take.
+      sampler, learner, critic, reference_group: the device groups (:class:`DeviceGroup`) of
+        ``separated`` (sampler, learner) and ``interleaved`` (learner, critic and/or
+        reference_group, optionally sampler); the learner group defaults to every device the
+        others do not take.
       weight_sync_every: the sampler gets the policy's weights after every this many updates
         (1: each; more: the sampler samples with weights up to that many versions old, which
         ``loss.rollout_correction`` can correct).
       reference: where the frozen reference's scoring forward runs: ``learner`` (with the
         other scoring forwards) or ``sampler`` (``separated`` only: on the sampler's group,
         after each batch is sampled, so the learner's devices do less; a second copy of the
-        reference lives on the sampler's devices).
+        reference lives on the sampler's devices) or ``own`` (``interleaved`` only: on
+        ``reference_group``, its forward beside the learner's scoring forwards; the
+        reference lives there only).
     """
 
     cpu_devices: int | None = None
@@ -130,6 +137,7 @@ class PlacementConfig:
     sampler: DeviceGroup | None = None
     learner: DeviceGroup | None = None
     critic: DeviceGroup | None = None
+    reference_group: DeviceGroup | None = None
     weight_sync_every: int = 1
     reference: str = "learner"
 
@@ -145,6 +153,15 @@ class PlacementConfig:
                 "reference: sampler runs the reference on the sampler's own devices; it needs "
                 f"strategy: separated (got {self.strategy})"
             )
+        if self.reference == "own" and self.strategy != "interleaved":
+            raise ValueError(
+                "reference: own runs the reference on a group of its own; it needs strategy: "
+                f"interleaved (got {self.strategy})"
+            )
+        if (self.reference == "own") != (self.reference_group is not None):
+            raise ValueError(
+                "reference_group: set it exactly when reference: own (the reference's group)"
+            )
         if self.weight_sync_every < 1:
             raise ValueError(f"weight_sync_every: must be >= 1, got {self.weight_sync_every}")
         if self.strategy == "colocated":
@@ -158,8 +175,11 @@ class PlacementConfig:
                 raise ValueError("sampler: strategy separated needs the sampler's group")
             if self.strategy == "separated" and self.critic is not None:
                 raise ValueError("critic: a critic group needs strategy: interleaved")
-            if self.strategy == "interleaved" and self.critic is None:
-                raise ValueError("critic: strategy interleaved needs the critic's group")
+            if self.strategy == "interleaved" and self.critic is None and self.reference != "own":
+                raise ValueError(
+                    "critic: strategy interleaved needs the critic's group, the reference's "
+                    "(reference: own with reference_group), or both"
+                )
             if self.train_devices != _ALL or self.generate_mesh is not None:
                 raise ValueError(
                     f"strategy: {self.strategy} places roles with the sampler/learner groups, "
@@ -298,11 +318,37 @@ def given_mesh(placement: PlacementConfig, mesh: Mesh, source: str) -> None:
 
 
 def critic_mesh(placement: PlacementConfig, train: MeshConfig) -> Mesh | None:
-    """The critic's own mesh (``interleaved``; its group's ``mesh``, else ``train``'s shape),
-    or None."""
-    if placement.strategy != "interleaved":
+    """The critic's own mesh (``interleaved``; its group's ``mesh``, else every device on
+    ``data``), or None."""
+    if placement.strategy != "interleaved" or placement.critic is None:
         return None
     return _group_mesh(placement, "critic", train)
+
+
+def reference_mesh(placement: PlacementConfig) -> Mesh | None:
+    """The reference's own mesh (``reference: own``; its group's ``mesh``, else every device
+    on ``data``), or None."""
+    if placement.reference != "own":
+        return None
+    return _group_mesh(placement, "reference_group", MeshConfig())
+
+
+def reference_shards(placement: PlacementConfig, device_count: int) -> int | None:
+    """Data shards (``data x fsdp``) of the reference's own mesh; None when it has none.
+
+    Raises:
+      MeshError: its group or mesh does not fit ``device_count`` devices.
+    """
+    if placement.reference != "own":
+        return None
+    size = len(role_devices(placement, device_count)["reference_group"])
+    try:
+        data, fsdp, _ = resolve_mesh_shape(
+            role_mesh_config(placement, "reference_group", MeshConfig()), size
+        )
+    except MeshError as e:
+        raise MeshError(f"placement.reference_group.mesh: {e}") from None
+    return data * fsdp
 
 
 def generate_mesh(placement: PlacementConfig, train: Mesh) -> Mesh:

@@ -68,6 +68,7 @@ from jaxrlhf.config import (
 )
 from jaxrlhf.sharding import MeshConfig, MeshError, make_mesh
 from jaxrlhf.sharding.placement import (
+    ROLE_GROUPS,
     PlacementConfig,
     role_devices,
     role_mesh_config,
@@ -313,7 +314,7 @@ def plan(
         devices = list(mesh.devices.flat)
         if placement.generate_mesh is not None:
             devices = jax.devices("cpu")
-    gen_mesh = mesh
+    gen_mesh, ref_mesh = mesh, None
     if placement.generate_mesh is not None and cfg.algorithm in RL_ALGORITHMS:
         gen_mesh = make_mesh(placement.generate_mesh, devices=devices)
     if placement.strategy != "colocated":  # the learner's and the sampler's groups
@@ -325,6 +326,9 @@ def plan(
         if "sampler" in groups and cfg.algorithm in RL_ALGORITHMS:
             sampler = [devices[i] for i in groups["sampler"]]
             gen_mesh = make_mesh(role_mesh_config(placement, "sampler", cfg.mesh), sampler)
+        if "reference_group" in groups and cfg.algorithm in RL_ALGORITHMS:
+            own = [devices[i] for i in groups["reference_group"]]
+            ref_mesh = make_mesh(role_mesh_config(placement, "reference_group", cfg.mesh), own)
     layout = validate(
         cfg,
         len(devices),
@@ -333,7 +337,7 @@ def plan(
         override_paths=override_paths,
     )
     model_cfg = layout.model
-    planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh)
+    planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh, ref_mesh)
     if cfg.algorithm in RL_ALGORITHMS:
         shapes = dry_run_rl.plan_rl(planner, layout)
     else:
@@ -393,13 +397,8 @@ def run_devices(mesh: MeshConfig, placement: PlacementConfig) -> int | None:
     if placement.strategy != "colocated":  # role groups: every device they name
         if placement.cpu_devices is not None:
             return placement.cpu_devices
-        named = [
-            i
-            for group in (placement.sampler, placement.learner, placement.critic)
-            if group is not None
-            for i in group.devices
-        ]
-        groups = (placement.sampler, placement.learner, placement.critic)
+        groups = tuple(getattr(placement, role) for role in ROLE_GROUPS)
+        named = [i for group in groups if group is not None for i in group.devices]
         listed = placement.learner is not None and all(g is None or g.devices for g in groups)
         if named and listed:
             return max(named) + 1

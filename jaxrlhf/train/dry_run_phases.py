@@ -124,10 +124,16 @@ class Planner:
     """Named abstract trees on the mesh, the roles, and the compiled programs."""
 
     def __init__(
-        self, cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, generate_mesh: Mesh | None = None
+        self,
+        cfg: RunConfig,
+        model_cfg: ModelConfig,
+        mesh: Mesh,
+        generate_mesh: Mesh | None = None,
+        reference_mesh: Mesh | None = None,
     ) -> None:
         self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
         self.generate_mesh = mesh if generate_mesh is None else generate_mesh
+        self.reference_mesh = reference_mesh  # placement.reference: own; else None
         self.trees: dict[str, tuple[Any, Any]] = {}  # name -> (abstract, shardings)
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []

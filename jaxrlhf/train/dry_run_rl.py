@@ -55,6 +55,7 @@ def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfi
         sampling,
         reward_model=rm_model,
         matmul_block=0,
+        reference_mesh=pl.reference_mesh,
     )
     return programs, rm_model, note
 
@@ -250,9 +251,9 @@ def _plan_score(pl, programs, held, models, rm_params):
         lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
         abstract_rows(rows, length, packed=packed is not None),
     )
-    if programs.sampler_reference is not None:
+    if programs.reference_apart is not None:
         batch = batch.replace(ref_logprobs=sds((rows, length), jnp.float32, programs.rows(2)))
-        _plan_sampler_reference(pl, programs, held, rows, length)
+        _plan_reference_apart(pl, programs, held, rows, length)
     if rm_params is not None:
         args = (rm_params, batch.tokens, batch.mask, batch.packing, packed)
         micro = programs.layout.rl.score_micro
@@ -291,26 +292,29 @@ def _plan_score(pl, programs, held, models, rm_params):
     return batch, scored
 
 
-def _plan_sampler_reference(pl, programs, held, rows: int, length: int) -> None:
-    """``placement.reference: sampler``: the reference's forward on the sampler's mesh, on
-    the rollout's rows split over its data shards (packed at the largest size)."""
-    packed = programs.sampler_planner.score_rows or None
+def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
+    """``placement.reference: sampler | own``: the reference's forward on the sampler's mesh
+    (a generate phase) or its own group's (a score phase), on the rollout's rows split over
+    its data shards (packed at the largest size)."""
+    packed = programs.reference_planner.score_rows or None
     batch = jax.tree.map(
-        lambda x: sds(x.shape, x.dtype, programs.sampler_rows(x.ndim)),
+        lambda x: sds(x.shape, x.dtype, programs.reference_rows(x.ndim)),
         abstract_rows(rows, length, packed=packed is not None),
     )
     abstract, shardings = pl.trees["reference.params"]
     ref = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
-    # The sampler's copy of the policy is alive meanwhile (the producer holds it).
-    copies = [n for n in pl.trees if n.startswith("policy.generate")]
+    own = pl.reference_mesh is not None
+    # On the sampler's devices its copy of the policy is alive meanwhile (the producer
+    # holds it); a group of its own holds the reference alone.
+    copies = [] if own else [n for n in pl.trees if n.startswith("policy.generate")]
     pl.compile(
-        "generate",
+        "score" if own else "generate",
         "reference",
-        programs.sampler_reference,
+        programs.reference_apart,
         (ref, batch, packed),
         live=[*held, *copies],
         passed=["reference.params"],
-        runs=programs.sampler_planner.score_micro,  # map_micro's scan body is one micro-batch
+        runs=programs.reference_planner.score_micro,  # map_micro's scan body is one micro-batch
     )
 
 
@@ -325,16 +329,17 @@ def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple,
     if policy_lora is None:
         policy = pl.trained("policy", "lm", programs.policy.optimizer, programs.policy_shardings)
         held = ["policy.params", "policy.opt", "reference.params"]
-        if programs.sampler_reference is None:
+        if programs.reference_apart is None:
             ref = pl.frozen("reference", pl.model_cfg, "lm", programs.reference_shardings)
             models, passed = [policy.params, ref], ["policy.params", "reference.params"]
-        else:  # placement.reference: sampler; the score program reads its log-probs
+        else:  # placement.reference: sampler | own; the score program reads its log-probs
+            where = "its own" if pl.reference_mesh is not None else "the sampler's"
             pl.frozen(
                 "reference",
                 pl.model_cfg,
                 "lm",
-                programs.sampler_reference_shardings,
-                "on the sampler's devices",
+                programs.reference_apart_shardings,
+                f"on {where} devices",
             )
             models, passed = [policy.params, None], ["policy.params"]
         frozen = [None]

@@ -197,9 +197,9 @@ class RolloutProducer:
                 key, prompts, params, version=version, oldest=self.bound(j)
             )
             self.timeline.record("sample", "sampler", j, start, self.timeline.now())
-            if trainer.programs.sampler_reference is not None:  # placement.reference: sampler
+            if trainer.reference_on_sampler_group:  # placement.reference: sampler
                 start = self.timeline.now()
-                rollout, sample_timings["time/reference_s"] = trainer.reference_on_sampler(rollout)
+                rollout, sample_timings["time/reference_s"] = trainer.score_reference_apart(rollout)
                 self.timeline.record("reference", "sampler", j, start, self.timeline.now())
             return rollout, {**timings, **sample_timings}, forwards
 

@@ -560,13 +560,19 @@ class RLLayout:
 
 def score_layout(algo: PPOConfig | GRPOConfig, section: str, shards: int) -> RLLayout:
     """The scoring part of :func:`rl_layout` on a mesh of ``shards`` data shards (the
-    reference's forward on the sampler's group, ``placement.reference: sampler``): scoring
+    reference's forward on the sampler's group or its own, ``placement.reference: sampler |
+    own``): scoring
     micro-batches, prompt groups and packed rows; no update.
 
     Raises:
       ValueError: ``"field.path: problem"`` when the rollout does not split into the scoring
         micro-batches over the shards.
     """
+    if algo.rollout.rows % shards:
+        raise ValueError(
+            f"{section}.rollout.prompts_per_step: the {algo.rollout.rows} rollout rows do not "
+            f"split over {shards} data shard(s)"
+        )
     score_micro = _score_micro_batches(algo, section, shards)
     groups, _ = _group_sizes(algo, section, shards, 1, score_micro)
     packing, _ = _pack_sizes(algo, section, shards, 1, score_micro)

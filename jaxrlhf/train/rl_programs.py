@@ -123,12 +123,14 @@ class RLPrograms:
         the critic mesh (rows sequence-packed by scoring's plan, like ``score``).
       update_value: interleaved: the critic's ``update`` on its mesh (same shuffling key,
         same minibatches, same packing plan: the joint update's math).
-      sampler_reference: ``placement.reference: sampler``: ``(ref_params, rows, packed_rows)
-        -> [N, T]`` the reference's log-probs on the sampler's mesh (rows sequence-packed by
-        ``sampler_planner``'s scoring plan), else None; ``score`` then reads them from the
-        rows.
-      sampler_reference_shardings: the reference's parameter shardings on the sampler's mesh.
-      sampler_planner: the sampler-side reference forward's packing plans (its data shards).
+      reference_apart: ``placement.reference: sampler | own``: ``(ref_params, rows,
+        packed_rows) -> [N, T]`` the reference's log-probs on ``reference_mesh`` (rows
+        sequence-packed by ``reference_planner``'s scoring plan), else None; ``score`` then
+        reads them from the rows.
+      reference_apart_shardings: the reference's parameter shardings on ``reference_mesh``.
+      reference_planner: that reference forward's packing plans (its mesh's data shards).
+      reference_mesh: where ``reference_apart`` runs: the sampler's mesh (``sampler``) or
+        the reference group's (``own``); None: the reference is scored with the learner.
     """
 
     algo: PPOConfig | GRPOConfig
@@ -158,21 +160,22 @@ class RLPrograms:
     critic_mesh: Mesh | None = None
     score_values: Callable[..., jax.Array] | None = None
     update_value: Callable[..., tuple[tuple[TrainState, ...], UpdateOutput]] | None = None
-    sampler_reference: Callable[..., jax.Array] | None = None
-    sampler_reference_shardings: Any = None
-    sampler_planner: PackingPlanner | None = None
+    reference_apart: Callable[..., jax.Array] | None = None
+    reference_apart_shardings: Any = None
+    reference_planner: PackingPlanner | None = None
+    reference_mesh: Mesh | None = None
 
-    def sampler_rows(self, ndim: int) -> NamedSharding:
-        """Rollout rows split over the sampler mesh's data shards (score rules)."""
-        return steps.batch_sharding(self.sampler.mesh, rules_for("policy", "score"), ndim)
+    def reference_rows(self, ndim: int) -> NamedSharding:
+        """Rollout rows split over ``reference_mesh``'s data shards (score rules)."""
+        return steps.batch_sharding(self.reference_mesh, rules_for("policy", "score"), ndim)
 
-    def sampler_reference_logprobs(self, ref_params: Any, tokens: Any, mask: Any) -> np.ndarray:
-        """[N, T] the reference's log-probs of the host rows on the sampler's mesh
+    def reference_apart_logprobs(self, ref_params: Any, tokens: Any, mask: Any) -> np.ndarray:
+        """[N, T] the reference's log-probs of the host rows on ``reference_mesh``
         (``ref_params`` placed there), packed as its planner plans, back on the host."""
-        plan = self.sampler_planner.score(tokens, mask)
+        plan = self.reference_planner.score(tokens, mask)
         rows = RolloutRows(tokens, mask, mask, None if plan is None else plan.packing)
-        rows = put_global(rows, jax.tree.map(lambda x: self.sampler_rows(np.ndim(x)), rows))
-        return to_host(self.sampler_reference(ref_params, rows, plan and plan.rows))
+        rows = put_global(rows, jax.tree.map(lambda x: self.reference_rows(np.ndim(x)), rows))
+        return to_host(self.reference_apart(ref_params, rows, plan and plan.rows))
 
     def critic_rows(self, ndim: int) -> NamedSharding:
         """Rollout rows split over the critic mesh's data shards (``interleaved``)."""
@@ -256,11 +259,12 @@ def _reference(
     return forward, param_shardings(model, mesh, rules), model_lib.abstract_params(model)
 
 
-def _sampler_reference_program(
+def _reference_apart_program(
     ref_rl: RLLayout, model: ModelConfig, mesh: Mesh, shards: int, r: int
 ) -> tuple[Callable[..., jax.Array], Any]:
-    """``placement.reference: sampler``: the reference's scoring forward on the sampler's
-    ``mesh`` (``shards`` data shards, ``ref_rl``'s micro-batches, groups and packed rows):
+    """``placement.reference: sampler | own``: the reference's scoring forward on the
+    sampler's or its own group's ``mesh`` (``shards`` data shards, ``ref_rl``'s
+    micro-batches, groups and packed rows):
     ``(ref_params, rows, packed_rows) -> [N, T]`` log-probs, and the params' shardings."""
     rules, row_rules = rules_for("reference", "score"), rules_for("policy", "score")
     forward = phase_forward(
@@ -341,6 +345,7 @@ def build_rl_programs(
     reward_model: ModelConfig | None = None,
     matmul_block: int | None = None,
     critic_mesh: Mesh | None = None,
+    reference_mesh: Mesh | None = None,
 ) -> RLPrograms:
     """Jits every program of an RL run.
 
@@ -353,6 +358,8 @@ def build_rl_programs(
       reward_model: the reward model's architecture when ``reward.model_dir`` is set.
       matmul_block: the sampler's decode weight blocks (None: the platform's choice).
       critic_mesh: the critic's own mesh (``interleaved``); None: ``mesh``.
+      reference_mesh: the reference's own mesh (``placement.reference: own``); None: the
+        sampler's with ``reference: sampler``, else ``mesh``.
     """
     algo, rl = rl_section(cfg), layout.rl
     r = algo.rollout.max_new_tokens
@@ -365,13 +372,14 @@ def build_rl_programs(
     value_sh = None if value_setup is None else value_setup.shardings
     score_rules = rules_for("policy", "score")
     reference, ref_sh, ref_abstract = _reference(model, mesh, policy_setup, hydra, r)
-    sampler_reference = sampler_ref_sh = sampler_planner = None
-    if layout.reference_rl is not None:  # placement.reference: sampler
-        shards = generate_mesh.shape["data"] * generate_mesh.shape["fsdp"]
-        sampler_reference, sampler_ref_sh = _sampler_reference_program(
-            layout.reference_rl, model, generate_mesh, shards, r
+    reference_apart = apart_ref_sh = reference_planner = None
+    if layout.reference_rl is not None:  # placement.reference: sampler | own
+        reference_mesh = reference_mesh or generate_mesh
+        shards = reference_mesh.shape["data"] * reference_mesh.shape["fsdp"]
+        reference_apart, apart_ref_sh = _reference_apart_program(
+            layout.reference_rl, model, reference_mesh, shards, r
         )
-        sampler_planner = PackingPlanner.of(
+        reference_planner = PackingPlanner.of(
             algo, layout.reference_rl, shards, cfg.data.max_prompt_length
         )
         reference = None
@@ -439,9 +447,10 @@ def build_rl_programs(
         critic_mesh=critic_mesh,
         score_values=score_values,
         update_value=update_value,
-        sampler_reference=sampler_reference,
-        sampler_reference_shardings=sampler_ref_sh,
-        sampler_planner=sampler_planner,
+        reference_apart=reference_apart,
+        reference_apart_shardings=apart_ref_sh,
+        reference_planner=reference_planner,
+        reference_mesh=reference_mesh if reference_apart is not None else None,
     )
 
 

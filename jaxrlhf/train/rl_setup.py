@@ -106,8 +106,8 @@ def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> Init
     if programs.hydra is not None:
         return _initial_hydra_states(cfg, programs, key)
     policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
-    if programs.sampler_reference is not None:
-        ref_params, stats = reshard(policy_params, programs.sampler_reference_shardings)
+    if programs.reference_apart is not None:
+        ref_params, stats = reshard(policy_params, programs.reference_apart_shardings)
         logger.info(
             "placement.reference: sampler: the reference's copy on the sampler's devices "
             "(%.1f MiB moved once)",

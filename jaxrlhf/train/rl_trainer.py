@@ -57,7 +57,13 @@ from jaxrlhf.rewards import (
     shape_scores,
 )
 from jaxrlhf.sharding.distributed import put_global, to_host
-from jaxrlhf.sharding.placement import critic_mesh, generate_mesh, given_mesh, train_mesh
+from jaxrlhf.sharding.placement import (
+    critic_mesh,
+    generate_mesh,
+    given_mesh,
+    reference_mesh,
+    train_mesh,
+)
 from jaxrlhf.train import rl_metrics, rl_packing
 from jaxrlhf.train.adapters import export_lora
 from jaxrlhf.train.checkpointing import key_data, wrap_key
@@ -93,8 +99,8 @@ class RLTrainer:
       reward_fn: the programmatic reward, or None with a reward model (``rm_params``).
       task_fn: the built-in task's reward (logged whatever drives RL), or None.
       policy_state, value_state: the learners' states (value None for GRPO).
-      ref_params, rm_params: the frozen reference (None: it lives on the sampler's devices,
-        ``sampler_ref_params``) and reward model (rm None: a function).
+      ref_params, rm_params: the frozen reference (None: it lives on the sampler's or its
+        own devices, ``apart_ref_params``) and reward model (rm None: a function).
       kl_state: the KL controller.
       policy_frozen, value_frozen: the LoRA learners' frozen bases (``lora:``), else None;
         the reference is then ``policy_frozen`` itself.
@@ -105,8 +111,8 @@ class RLTrainer:
       last_scored: the last iteration's scored arrays, with what the update's forwards
         computed in place of scoring filled in (for inspection: tests, notebooks).
       env_factory: ``rollout.environment``'s factory (multi-turn episodes), or None.
-      sampler_ref_params: ``placement.reference: sampler``: the reference's copy on the
-        sampler's mesh (placed once), else None.
+      apart_ref_params: ``placement.reference: sampler | own``: the reference on the
+        sampler's mesh or its own group's (placed once), else None.
       partials: ``rollout.partial_rollouts``: the groups the last engine call left running
         (their ``prompt_ids`` are dataset indices), resumed by the next; else None.
       timeline: when each phase ran on which devices (``jaxrlhf.train.timeline``).
@@ -132,7 +138,7 @@ class RLTrainer:
     steps_done: int = 0
     last_scored: Scored | None = None
     env_factory: EnvFactory | None = None
-    sampler_ref_params: Any = None
+    apart_ref_params: Any = None
     partials: Partials | None = None
     timeline: Timeline | None = None
     producer: RolloutProducer | None = None
@@ -145,6 +151,10 @@ class RLTrainer:
         if self.programs.critic_mesh is not None:
             groups["critic"] = tuple(int(d.id) for d in self.programs.critic_mesh.devices.flat)
             check_concurrency(self.mesh, self.programs.critic_mesh, "placement.critic")
+        if self.reference_own:
+            ref_mesh = self.programs.reference_mesh
+            groups["reference"] = tuple(int(d.id) for d in ref_mesh.devices.flat)
+            check_concurrency(self.mesh, ref_mesh, "placement.reference_group")
         self.timeline = Timeline(groups)
         self.producer = RolloutProducer(
             self,
@@ -157,6 +167,20 @@ class RLTrainer:
     log_window = 1  # every iteration is a row of metrics.jsonl
     summary_keys = rl_metrics.SUMMARY_KEYS
     plot_keys = rl_metrics.PLOT_KEYS
+
+    @property
+    def reference_on_sampler_group(self) -> bool:
+        """``placement.reference: sampler``: the reference is scored after sampling, on the
+        sampler's devices."""
+        apart = self.programs.reference_apart is not None
+        return apart and self.cfg.placement.reference == "sampler"
+
+    @property
+    def reference_own(self) -> bool:
+        """``placement.reference: own``: the reference is scored on its own group, beside the
+        learner's scoring forwards."""
+        apart = self.programs.reference_apart is not None
+        return apart and self.cfg.placement.reference == "own"
 
     @property
     def layout(self) -> RunLayout:
@@ -244,16 +268,17 @@ class RLTrainer:
         }
         rollout, more, forwards = self.sample(key, host_prompts, gen_params)
         del gen_params  # the sampler's copy is not needed by the reference's forward
-        if reference and self.programs.sampler_reference is not None:
-            rollout, more["time/reference_s"] = self.reference_on_sampler(rollout)
+        if reference and self.reference_on_sampler_group:
+            rollout, more["time/reference_s"] = self.score_reference_apart(rollout)
         return rollout, {**timings, **more}, forwards
 
-    def reference_on_sampler(self, rollout: Rollout) -> tuple[Rollout, float]:
-        """``placement.reference: sampler``: ``rollout`` with the reference's log-probs of
-        its rows, computed on the sampler's mesh; and the seconds it took."""
+    def score_reference_apart(self, rollout: Rollout) -> tuple[Rollout, float]:
+        """``placement.reference: sampler | own``: ``rollout`` with the reference's log-probs
+        of its rows, computed on the reference's mesh (the sampler's or its group's); and the
+        seconds it took."""
         start = time.perf_counter()
-        ref = self.programs.sampler_reference_logprobs(
-            self.sampler_ref_params, rollout.tokens, rollout.mask
+        ref = self.programs.reference_apart_logprobs(
+            self.apart_ref_params, rollout.tokens, rollout.mask
         )
         return rollout.replace(ref_logprobs=ref), time.perf_counter() - start
 
@@ -603,8 +628,8 @@ class RLTrainer:
         engine decoded); only the advantages are left to score then."""
         timings = dict(timings or {})
         programs = self.programs
-        if programs.sampler_reference is not None and rollout.ref_logprobs is None:
-            rollout, timings["time/reference_s"] = self.reference_on_sampler(rollout)
+        if self.reference_on_sampler_group and rollout.ref_logprobs is None:
+            rollout, timings["time/reference_s"] = self.score_reference_apart(rollout)
         start, t_score = time.perf_counter(), self.timeline.now()
         # Sequence packing's host plans (None: the phase runs its rows unpacked). Streamed
         # forwards were planned micro-batch by micro-batch as they ran (rl_stream).
@@ -624,8 +649,12 @@ class RLTrainer:
         shaped = shape_scores(rollout.scores, normalize=reward_cfg.normalize, clip=reward_cfg.clip)
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
         scores = put_global(shaped, programs.rows(1))
-        if programs.critic_mesh is not None:
-            scored = self._score_interleaved(rows, scores, kl_coef, plan, forwards)
+        if programs.critic_mesh is not None or self.reference_own:
+            scored, reference_s = self._score_interleaved(
+                rollout, rows, scores, kl_coef, plan, forwards
+            )
+            if reference_s is not None:
+                timings["time/reference_s"] = reference_s
         elif forwards is None:
             scored = programs.score(
                 self.policy_params,
@@ -684,35 +713,52 @@ class RLTrainer:
 
     def _score_interleaved(
         self,
+        rollout: Rollout,
         rows: Any,
         scores: jax.Array,
         kl_coef: jax.Array,
         plan: Any,
         forwards: Scored | None,
-    ) -> Scored:
-        """``interleaved``: the reference and old-policy forwards on the learner's devices
-        (or those the engine streamed) while the critic's value forward runs on its own;
-        the values then join the advantages (GAE) on the learner's. Both sides pack the
-        rows by scoring's ``plan`` (None: unpacked)."""
+    ) -> tuple[Scored, float | None]:
+        """``interleaved``: the old-policy forward (and the reference's, unless it has its own
+        group) on the learner's devices, or those the engine streamed, while the critic's
+        value forward runs on its group and the reference's (``reference: own``, from a
+        host thread) on its own; the values and reference log-probs then join the advantages
+        on the learner's. Every side packs the rows by its own plan (scoring's, or the
+        reference mesh's planner). Returns the scored rows and the reference's seconds
+        (None: not scored apart here)."""
         programs = self.programs
-        if forwards is None:
-            forwards = programs.score_forwards(
-                self.policy_params, self.ref_params, None, rows, plan and plan.rows
-            )  # dispatched; the critic's forward runs meanwhile
+        own_ref = self.reference_own and rollout.ref_logprobs is None
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reference = pool.submit(self._reference_on_group, rollout) if own_ref else None
+            if forwards is None:
+                forwards = programs.score_forwards(
+                    self.policy_params, self.ref_params, None, rows, plan and plan.rows
+                )  # dispatched; the critic's forward runs meanwhile
+            if programs.critic_mesh is not None:
+                start = self.timeline.now()
+                critic_rows = programs.put_critic_rows(rows.replace(turn_rewards=None))
+                values = jax.block_until_ready(
+                    programs.score_values(self.value_params, critic_rows, plan and plan.rows)
+                )
+                self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
+                forwards = forwards.replace(old_values=jax.device_put(values, programs.rows(2)))
+            reference_s = None
+            if reference is not None:
+                ref, reference_s = reference.result()
+                forwards = forwards.replace(ref_logprobs=put_global(ref, programs.rows(2)))
+        scored = programs.score_advantages(
+            forwards, rows.response_mask, scores, kl_coef, rows.turn_rewards
+        )
+        return scored, reference_s
+
+    def _reference_on_group(self, rollout: Rollout) -> tuple[np.ndarray, float]:
+        """``reference: own``: [N, T] the reference's log-probs of ``rollout``'s rows on its
+        group (host), timed and recorded on the timeline."""
         start = self.timeline.now()
-        critic_rows = programs.put_critic_rows(rows.replace(turn_rewards=None))  # unread there
-        values = jax.block_until_ready(
-            programs.score_values(self.value_params, critic_rows, plan and plan.rows)
-        )
-        self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
-        values = jax.device_put(values, programs.rows(2))
-        return programs.score_advantages(
-            forwards.replace(old_values=values),
-            rows.response_mask,
-            scores,
-            kl_coef,
-            rows.turn_rewards,
-        )
+        with_ref, seconds = self.score_reference_apart(rollout)
+        self.timeline.record("reference", "reference", self.steps_done, start, self.timeline.now())
+        return with_ref.ref_logprobs, seconds
 
     def _update_interleaved(
         self, batch: LearnerBatch, key: jax.Array, packed_rows: int | None
@@ -901,6 +947,7 @@ def build_rl_trainer(
         sampling_params(algo, tokenizer.eos_id, tokenizer.pad_id),
         reward_model=rm_cfg,
         critic_mesh=critic_mesh(cfg.placement, cfg.mesh),
+        reference_mesh=reference_mesh(cfg.placement),
     )
     init_key, _, run_key = jax.random.split(jax.random.key(cfg.train.seed), 3)
     states = initial_states(cfg, programs, init_key)
@@ -918,9 +965,9 @@ def build_rl_trainer(
     rm_params = None
     if rm_cfg is not None:
         rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
-    ref_params, sampler_ref = states.reference, None
-    if programs.sampler_reference is not None:  # on the sampler's devices only
-        ref_params, sampler_ref = None, states.reference
+    ref_params, apart_ref = states.reference, None
+    if programs.reference_apart is not None:  # on the sampler's or its own devices only
+        ref_params, apart_ref = None, states.reference
     return RLTrainer(
         cfg=cfg,
         programs=programs,
@@ -944,5 +991,5 @@ def build_rl_trainer(
         value_frozen=states.value_frozen,
         sampler_base=sampler_base,
         env_factory=env_factory,
-        sampler_ref_params=sampler_ref,
+        apart_ref_params=apart_ref,
     )

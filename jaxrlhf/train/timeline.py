@@ -143,8 +143,9 @@ def summarize(phases: Sequence[Phase], groups: dict[str, tuple[int, ...]]) -> di
     The span runs from the first phase's start to the last phase's end. A device is busy
     while any phase that ran on it is; a group's busy fraction is its devices' mean.
     ``overlap_frac``: the fraction of the span in which a sampler phase and a learner phase
-    ran at once (0 when every phase waits for the last); ``critic_overlap_frac`` likewise for
-    the learner and the critic group of an interleaved placement.
+    ran at once (0 when every phase waits for the last); ``critic_overlap_frac`` and
+    ``reference_overlap_frac`` likewise for the learner and the critic or reference group
+    of an interleaved placement.
     """
     if not phases:
         return {}
@@ -162,9 +163,10 @@ def summarize(phases: Sequence[Phase], groups: dict[str, tuple[int, ...]]) -> di
     by_group = {g: [(p.start, p.end) for p in phases if p.group == g] for g in groups}
     both = _intersection(by_group["sampler"], by_group["learner"])
     out["overlap_frac"] = _union_length(both) / span
-    if "critic" in groups:
-        both = _intersection(by_group["learner"], by_group["critic"])
-        out["critic_overlap_frac"] = _union_length(both) / span
+    for other in ("critic", "reference"):  # interleaved groups beside the learner
+        if other in groups:
+            both = _intersection(by_group["learner"], by_group[other])
+            out[f"{other}_overlap_frac"] = _union_length(both) / span
     return out
 
 

@@ -96,7 +96,7 @@ def test_reference_on_the_sampler_does_the_colocated_math(fast_compile, tmp_path
     cfg, src = _config(_dir(tmp_path / "apart"), algo, *overrides, *sampler_ref)
     apart = build_rl_trainer(cfg, source=src)
     assert apart.ref_params is None
-    devices = {d.id for x in jax.tree.leaves(apart.sampler_ref_params) for d in x.devices()}
+    devices = {d.id for x in jax.tree.leaves(apart.apart_ref_params) for d in x.devices()}
     assert devices == {0, 1, 2, 3}
     cfg, src = _config(_dir(tmp_path / "colocated"), algo, *overrides)
     colocated = build_rl_trainer(cfg, source=src)
@@ -145,6 +145,35 @@ def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_
     assert timeline["summary"]["host/cpu_cores"] > 0
 
 
+def test_asynchronous_run_scores_the_reference_on_its_own_group(fast_compile, tmp_path):
+    """Staleness 1 with the reference on its own device (1): each iteration's reference
+    forward is recorded there, the run trains with a finite KL, and the timeline's summary
+    measures the learner-reference overlap."""
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        *ASYNC,
+        "placement.strategy=interleaved",
+        "placement.reference=own",
+        "placement.reference_group={devices: [1]}",
+        "train.steps=3",
+        "grpo.loss.kl_coef=0.1",
+        "grpo.loss.num_minibatches=2",
+        "grpo.rollout.max_staleness=1",
+    )
+    result = loop.run(cfg, source=src)
+    rows = _history(result.run_dir)
+    assert [int(r["rollout/staleness"]) for r in rows] == [0, 1, 1]
+    assert all(r["time/reference_s"] > 0 and np.isfinite(r["kl/seq_mean"]) for r in rows)
+    timeline = json.load(open(os.path.join(result.run_dir, TIMELINE_FILE)))
+    phases = [p for p in timeline["phases"] if p["group"] == "reference"]
+    assert [(p["name"], p["step"], p["devices"]) for p in phases] == [
+        ("reference", step, [1]) for step in range(3)
+    ]
+    assert 0 <= timeline["summary"]["reference_overlap_frac"] <= 1
+    assert timeline["groups"]["reference"] == [1]
+
+
 @pytest.mark.parametrize("models", [(), ("lora.rank=4",)], ids=["full", "lora"])
 def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
     """PPO with the critic on device 1 (its value forward and update there, the update from a
@@ -181,6 +210,71 @@ def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
         np.testing.assert_allclose(out["colocated"][1][key], out["apart"][1][key], atol=1e-5)
     groups = {(p.name, p.group) for p in out["apart"][2].timeline.phases}
     assert {("score", "critic"), ("update", "critic"), ("update", "learner")} <= groups
+
+
+@pytest.mark.parametrize(
+    ("algo", "overrides"),
+    [
+        ("grpo", ("grpo.loss.kl_coef=0.1", "grpo.loss.num_minibatches=2")),
+        (
+            "ppo",
+            (
+                "ppo.loss.kl_mode=reward",
+                "ppo.loss.kl_coef=0.1",
+                "ppo.loss.num_minibatches=2",
+                "ppo.rollout.num_samples=4",
+                "placement.critic={devices: [2]}",
+            ),
+        ),
+    ],
+    ids=["grpo", "ppo-with-critic-group"],
+)
+def test_reference_on_its_own_group_does_the_colocated_math(
+    fast_compile, tmp_path, algo, overrides
+):
+    """``interleaved`` with ``reference: own``: the reference's forward on device 1 (from a
+    host thread, while the old-policy forward runs on the learner's device 0; PPO's critic
+    on device 2 too), the sampler on device 3. Two iterations on the same rollouts (the
+    second with a non-zero KL) give the same reference log-probs, parameters and metrics as
+    everything on device 0, to 1e-5 (the same forwards at other micro-batch shapes and
+    packing: rounding differs in the last bits)."""
+    own = (
+        "placement.strategy=interleaved",
+        "placement.learner={devices: [0]}",
+        "placement.reference=own",
+        "placement.reference_group={devices: [1]}",
+        "placement.sampler={devices: [3]}",
+    )
+    cfg, src = _config(_dir(tmp_path / "apart"), algo, *overrides, *own)
+    apart = build_rl_trainer(cfg, source=src)
+    assert apart.ref_params is None and apart.programs.reference_mesh.size == 1
+    devices = {d.id for x in jax.tree.leaves(apart.apart_ref_params) for d in x.devices()}
+    assert devices == {1}
+    colocated_overrides = [o for o in overrides if not o.startswith("placement.")]
+    cfg, src = _config(
+        _dir(tmp_path / "colocated"), algo, *colocated_overrides, "placement.train_devices=1"
+    )
+    colocated = build_rl_trainer(cfg, source=src)
+    for step in range(2):
+        rollout, timings = apart.rollout(jax.random.key(1 + step))
+        assert rollout.ref_logprobs is None and "time/reference_s" not in timings
+        apart_metrics = apart.learn(rollout, jax.random.key(10 + step))
+        assert apart_metrics["time/reference_s"] > 0
+        metrics = colocated.learn(rollout, jax.random.key(10 + step))
+        resp = rollout.response_mask
+        ref = [jax.device_get(t.last_scored.ref_logprobs) * resp for t in (colocated, apart)]
+        np.testing.assert_allclose(*ref, atol=1e-5)
+        assert np.abs(ref[1]).min(where=resp, initial=np.inf) > 0
+        params = [jax.device_get(t.policy_state.params) for t in (colocated, apart)]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), *params)
+        for key in ("loss/policy", "kl/seq_mean", "policy/clip_frac"):
+            np.testing.assert_allclose(metrics[key], apart_metrics[key], atol=1e-5, err_msg=key)
+    assert abs(metrics["kl/seq_mean"]) > 1e-4  # the second iteration's KL is not 0
+    phases = [p for p in apart.timeline.phases if p.group == "reference"]
+    assert [(p.name, p.step, p.devices) for p in phases] == [
+        ("reference", 0, (1,)),
+        ("reference", 0, (1,)),
+    ]
 
 
 def test_interleaved_with_streamed_engine_scoring_does_the_same_math(fast_compile, tmp_path):
@@ -284,7 +378,39 @@ def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile
         (["placement.sampler={fraction: 0.5}"], "device groups need strategy: separated"),
         (
             ["placement.strategy=interleaved", "placement.critic={devices: [0]}"],
-            "placement.strategy: interleaved puts the critic on its own devices: ppo only",
+            "placement.critic: grpo has no critic; interleave its reference instead",
+        ),
+        (
+            ["placement.strategy=interleaved"],
+            "placement.critic: strategy interleaved needs the critic's group, the reference's",
+        ),
+        (
+            ["placement.strategy=separated", *SEPARATED[1:], "placement.reference=own"],
+            "placement.reference: own runs the reference on a group of its own; it needs "
+            "strategy: interleaved",
+        ),
+        (
+            ["placement.strategy=interleaved", "placement.reference=own"],
+            "placement.reference_group: set it exactly when reference: own",
+        ),
+        (
+            [
+                "placement.strategy=interleaved",
+                "placement.reference=own",
+                "placement.reference_group={devices: [0]}",
+                "placement.learner={devices: [0, 1]}",
+            ],
+            "placement.reference_group.devices: device 0 is also in placement.learner",
+        ),
+        (
+            [
+                "placement.strategy=interleaved",
+                "placement.reference=own",
+                "placement.reference_group={devices: [0, 1, 2]}",
+                "placement.learner={devices: [4]}",
+            ],
+            "placement.reference: own: grpo.rollout.prompts_per_step: the 16 rollout rows do "
+            "not split over 3 data shard(s) (its group's data shards)",
         ),
         (
             ["placement.weight_sync_every=3"],

@@ -226,10 +226,32 @@ def test_packed_grpo_plan_matches_real_run(tmp_path):
         _assert_program_matches(planned[name], rec.memory(name))
 
 
-def test_plan_with_the_reference_on_the_sampler(tmp_path):
-    """``placement.reference: sampler`` (sampler on devices 0-3, learner on 4-7): the dry
-    run plans the reference's forward on the sampler's mesh, its weights on the sampler's
-    devices only, and the score program without them; the real run's programs match."""
+OWN_REFERENCE = {
+    "strategy": "interleaved",
+    "sampler": {"devices": [0, 1]},
+    "reference_group": {"devices": [2]},  # one device: in flight beside the learner's four
+    "learner": {"devices": [4, 5, 6, 7]},
+    "reference": "own",
+}
+
+
+@pytest.mark.parametrize(
+    ("placement", "phase", "where"),
+    [
+        (
+            {"strategy": "separated", "sampler": {"devices": [0, 1, 2, 3]}, "reference": "sampler"},
+            "generate",
+            "on the sampler's devices",
+        ),
+        (OWN_REFERENCE, "score", "on its own devices"),
+    ],
+    ids=["sampler", "own"],
+)
+def test_plan_with_the_reference_apart(tmp_path, placement, phase, where):
+    """``placement.reference: sampler`` (sampler on devices 0-3, learner on 4-7) or ``own``
+    (sampler on 0-1, reference on 2, learner on 4-7): the dry run plans the reference's
+    forward on that mesh, its weights on those devices only, and the score program without
+    them; the real run's programs match."""
     raw = {
         "algorithm": "grpo",
         "output_dir": str(tmp_path / "run"),
@@ -238,11 +260,7 @@ def test_plan_with_the_reference_on_the_sampler(tmp_path):
         "mesh": {"data": 1, "fsdp": -1, "tensor": 1},
         "train": {"steps": 1},
         "logging": {"progress": "none"},
-        "placement": {
-            "strategy": "separated",
-            "sampler": {"devices": [0, 1, 2, 3]},
-            "reference": "sampler",
-        },
+        "placement": placement,
         "grpo": {
             "rollout": {
                 "prompts_per_step": 4,
@@ -259,8 +277,9 @@ def test_plan_with_the_reference_on_the_sampler(tmp_path):
     report = dry_run.plan(cfg)
     planned = {p.name: p for p in report.programs}
     assert list(planned) == ["prefill", "decode", "reference", "score", "update"]
+    assert planned["reference"].phase == phase
     reference = next(r for r in report.roles if r.role == "reference")
-    assert "on the sampler's devices" in reference.note
+    assert where in reference.note
 
     trainer = build_rl_trainer(cfg)
     assert trainer.ref_params is None
@@ -269,12 +288,17 @@ def test_plan_with_the_reference_on_the_sampler(tmp_path):
         trainer.programs,
         **{
             name: rec.wrap(name, getattr(trainer.programs, name))
-            for name in ("sampler_reference", "score", "update")
+            for name in ("reference_apart", "score", "update")
         },
     )
     trainer.step()
-    for name, real in (("reference", "sampler_reference"), ("score", "score")):
-        _assert_program_matches(planned[name], rec.memory(real))
+    # With its own group the learner's scoring runs as two programs (forwards while the
+    # reference's runs, then the advantages) that the plan's one score program stands for.
+    matched = ("reference", "score") if phase == "generate" else ("reference",)
+    for name in matched:
+        _assert_program_matches(
+            planned[name], rec.memory({"reference": "reference_apart"}.get(name, name))
+        )
     assert planned["score"].argument_bytes < planned["reference"].argument_bytes
 
 
