@@ -47,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
         help="cost model JSON: read when it exists and was calibrated on this cluster (a "
         "previous --calibrate), written by --calibrate (default: %(default)s)",
     )
+    add(
+        "--lengths",
+        default="budget",
+        metavar="DIST",
+        help="response lengths generation is priced at: 'budget' (every sample runs to "
+        "max_new_tokens; default) or 'lognormal:MEDIAN,SIGMA' in tokens, capped at the "
+        "budget (G2's long tail: lognormal:48,1.439); the rollout engine gains from short "
+        "samples, the static sampler does not",
+    )
     add("--time-limit", type=float, default=600.0, help="search seconds for large spaces")
     add("--exhaustive-limit", type=int, default=24, help="layouts searched exhaustively")
     return parser

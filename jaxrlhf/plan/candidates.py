@@ -1,13 +1,13 @@
 """The plans the planner considers, as config overlays.
 
 A plan is an overlay of the run config: ``placement`` (strategy, device groups, meshes, and
-in a separated plan where the reference's forward runs),
-``mesh`` (the learner's), ``model.remat``, ``train.micro_batch_size`` and the RL section's
-``rollout.max_staleness``. :func:`layouts` lists the placements and meshes of a cluster;
-:func:`memory_variants` the remat and micro-batch settings tried, cheapest first, when a
-layout does not fit (both only trade time for memory, so a plan that fits without them is
-never slower with them); :func:`staleness_variants` the staleness bounds of a separated
-plan (no recompilation: the programs are the same).
+in a separated plan where the reference's forward runs), ``mesh`` (the learner's),
+``model.remat``, ``train.micro_batch_size``, and the RL section's ``rollout.max_staleness``
+and (with the rollout engine) ``rollout.slots``. :func:`layouts` lists the placements and
+meshes of a cluster; :func:`memory_variants` the remat, micro-batch and slot settings tried,
+cheapest first, when a layout does not fit (they only trade time for memory, so a plan that
+fits without them is never slower with them); :func:`staleness_variants` the staleness
+bounds of a separated plan (no recompilation: the programs are the same).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
         "sampler": None,
         "learner": None,
         "critic": None,
+        "reference_group": None,
         "weight_sync_every": 1,
         "reference": "learner",
     }
@@ -175,8 +176,9 @@ def configured(cfg: RunConfig, layouts: list[dict[str, Any]], devices: int) -> i
 
 def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
     """Overlays that trade time for memory, cheapest first: the config as is, then halved
-    micro-batches (down to one row per data shard), then full remat with each (when the
-    config has none)."""
+    micro-batches (down to one row per data shard), then (with the rollout engine) halved
+    slots down to one prompt group's (a smaller KV cache, more decode chunks), then full
+    remat with each micro-batch size (when the config has none)."""
     out: list[dict[str, Any]] = [{}]
     micro = []
     # Halving from the config's micro-batch (rows per data shard; none: a minibatch, which
@@ -188,6 +190,12 @@ def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
         size //= 2
         micro.append({"train": {"micro_batch_size": size}})
     out += micro
+    r = algo.rollout
+    if r.engine == "continuous":
+        slots = r.slots or r.started_prompts * r.num_samples
+        while slots // 2 >= r.num_samples and (slots // 2) % r.num_samples == 0:
+            slots //= 2
+            out.append({cfg.algorithm: {"rollout": {"slots": slots}}})
     if cfg.model.resolve().remat == "none":
         out += [merge(m, {"model": {"remat": "full"}}) for m in [{}, *micro]]
     return out
@@ -234,6 +242,9 @@ def describe(overlay: dict[str, Any], algorithm: str) -> str:
         parts.append(f"sampler {shape(gen) if gen else 'same mesh'}")
     if "train" in overlay:
         parts.append(f"micro {overlay['train']['micro_batch_size']}")
+    slots = overlay.get(algorithm, {}).get("rollout", {}).get("slots")
+    if slots:
+        parts.append(f"slots {slots}")
     if overlay.get("model", {}).get("remat"):
         parts.append(f"remat {overlay['model']['remat']}")
     return ", ".join(parts)

@@ -12,7 +12,9 @@ staleness). :func:`estimate` prices it:
    layers are identical, so costs and stacked activations are affine in depth (tests check
    it against a full-depth compile).
 2. **Time** each program as its runs per iteration (decode steps, micro-batches x
-   minibatches x epochs, ...; ``ProgramMemory.runs``) times its roofline seconds on the
+   minibatches x epochs, ...; ``ProgramMemory.runs``; the rollout engine's decode steps and
+   admissions replayed on the response-length distribution, :mod:`jaxrlhf.plan.lengths`)
+   times its roofline seconds on the
    cluster's device kind, divided by the phase's efficiency (the :class:`CostModel`:
    defaults, or fitted by ``--calibrate``). The weight sync moves the bytes the dry run
    measured between the training and sampling layouts over the links.
@@ -23,9 +25,11 @@ staleness). :func:`estimate` prices it:
    and phases running at once share the host (``Cluster.shared_host``).
 4. **Reject** plans whose peak per device exceeds the usable memory, with the reason.
 
-Assumptions (stated in every report): every sample generates ``max_new_tokens`` tokens;
-programs compiled by XLA:CPU (its fusion and cost analysis stand in for the accelerator's);
-the update's optimizer step is counted once per micro-batch (an overestimate when
+Assumptions (stated in every report): the response lengths (``--lengths``; by default every
+sample generates ``max_new_tokens`` tokens; the static sampler decodes that many steps
+whatever the lengths); scoring and the update at their largest packed size; programs
+compiled by XLA:CPU (its fusion and cost analysis stand in for the accelerator's); the
+update's optimizer step is counted once per micro-batch (an overestimate when
 ``num_micro > 1``); a host reward function costs what the cost model says (0 uncalibrated).
 """
 
@@ -38,6 +42,7 @@ from typing import Any
 
 from jaxrlhf.config import ConfigError, RunConfig
 from jaxrlhf.plan.hardware import Cluster
+from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_chunks
 from jaxrlhf.plan.simulator import Schedule, iteration_tasks, simulate
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.train.program_cost import ProgramCost, roofline_seconds
@@ -248,6 +253,23 @@ def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
     return programs, int(sync), one
 
 
+def _engine_runs(cfg: RunConfig, lengths: LengthModel) -> dict[str, int] | None:
+    """The rollout engine's ``decode`` steps and ``admit`` calls per iteration with response
+    lengths from ``lengths`` (:func:`~jaxrlhf.plan.lengths.engine_chunks` on the rows it
+    starts); None without the engine (the static sampler's steps do not depend on them)."""
+    from jaxrlhf.config import rl_section
+
+    r = rl_section(cfg).rollout
+    if r.engine != "continuous":
+        return None
+    rows = r.started_prompts * r.num_samples
+    slots = r.slots or rows
+    chunks, admits = engine_chunks(
+        lengths.lengths(rows, r.max_new_tokens), slots, r.chunk_tokens, r.num_samples
+    )
+    return {"decode": chunks * r.chunk_tokens, "admit": admits}
+
+
 def _groups(cfg: RunConfig, devices: int) -> tuple[dict[str, int], bool]:
     """Devices per group (``all``, or ``sampler`` and ``learner``) and whether separated."""
     from jaxrlhf.sharding.placement import role_devices
@@ -255,8 +277,8 @@ def _groups(cfg: RunConfig, devices: int) -> tuple[dict[str, int], bool]:
     p = cfg.placement
     if p.strategy == "interleaved":
         raise ConfigError(
-            "placement.strategy: interleaved (the critic on its own group) is not priced by "
-            "the planner yet"
+            "placement.strategy: interleaved (the critic or the reference on a group of its "
+            "own) is not priced by the planner yet"
         )
     if p.strategy == "separated":
         groups = role_devices(p, devices)
@@ -294,9 +316,10 @@ def estimate(
     compiled: CompiledPlan | None = None,
     overlay: Mapping[str, Any] | None = None,
     label: str = "",
+    lengths: LengthModel = BUDGET,
 ) -> PlanEstimate:
     """Predicts ``cfg`` on ``cluster`` from its compiled programs (:func:`compile_plan`,
-    compiled here when None).
+    compiled here when None), its samples' response lengths drawn from ``lengths``.
 
     Raises:
       the errors of :func:`compile_plan`.
@@ -313,7 +336,10 @@ def estimate(
     spans["sync"] = groups.get("sampler", max(groups.values()))
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
+    engine_runs = _engine_runs(cfg, lengths)
     for phase, name, runs, cost, peak in programs:
+        if engine_runs is not None and phase == "generate" and name in engine_runs:
+            runs = engine_runs[name]
         one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
         # The reference's forward on the sampler's group (placement.reference: sampler) is
         # a scoring forward in the sampler's time: scoring's efficiency, generate's devices.

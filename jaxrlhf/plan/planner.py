@@ -20,12 +20,15 @@ from jaxrlhf.plan import candidates
 from jaxrlhf.plan.calibration import DEFAULT_COST_MODEL, fit, measure
 from jaxrlhf.plan.estimate import CostModel, PlanEstimate, gib
 from jaxrlhf.plan.hardware import cluster_size, parse_cluster
+from jaxrlhf.plan.lengths import BUDGET, LengthModel, parse_lengths
 from jaxrlhf.plan.search import Evaluated, Searcher, search
 
 __all__ = ["cli", "format_plans", "read_run"]
 
 _ASSUMPTIONS = (
-    "every sample generates max_new_tokens tokens; costs from XLA:CPU's compilation of the "
+    "the static sampler decodes max_new_tokens steps per row; the rollout engine's chunks "
+    "and admissions replayed on those lengths (its ragged-tail views priced as full chunks); "
+    "scoring and the update at their largest packed size; costs from XLA:CPU's compilation of the "
     "trainers' programs on fake devices (its cost analysis per device; models over 16 layers "
     "extrapolated from 1-4 layer compiles); roofline at the device kind's peaks divided by "
     "each phase's efficiency (uncalibrated: generate 0.5, score 0.5, train 0.4, sync 0.7), "
@@ -42,9 +45,14 @@ def read_run(paths: Sequence[str], overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def format_plans(
-    plans: Sequence[PlanEstimate], rejected: Sequence[Evaluated], top: int, header: str
+    plans: Sequence[PlanEstimate],
+    rejected: Sequence[Evaluated],
+    top: int,
+    header: str,
+    lengths: LengthModel = BUDGET,
 ) -> str:
-    """The ranked table (best first), the rejected plans' reasons, the assumptions."""
+    """The ranked table (best first), the rejected plans' reasons, the assumptions (the
+    response lengths generation was priced at first)."""
     lines = [
         header,
         "",
@@ -69,7 +77,7 @@ def format_plans(
             if len(seen) >= top:
                 lines.append(f"  ... ({len(rejected) - len(seen)} more)")
                 break
-    lines += ["", f"assumptions: {_ASSUMPTIONS}"]
+    lines += ["", f"assumptions: {lengths.describe()}; {_ASSUMPTIONS}"]
     return "\n".join(lines)
 
 
@@ -91,6 +99,10 @@ def _load_model(path: str, cluster: str, explicit: bool) -> CostModel:
     return model
 
 
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def cli(args: argparse.Namespace) -> int:
     """Runs the planner; 0 when a plan fits, 1 when none does."""
     if args.top < 1 or args.calibrate_plans < 1 or args.calibrate_steps < 4:
@@ -100,6 +112,7 @@ def cli(args: argparse.Namespace) -> int:
         )
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise ConfigError(f"--out {args.out}: its directory does not exist")
+    lengths = parse_lengths(args.lengths)
     data = read_run(args.config, args.set)
     kind, count = cluster_size(args.cluster)  # read before JAX starts
     platform.set_cpu_devices(count)
@@ -116,7 +129,7 @@ def cli(args: argparse.Namespace) -> int:
             f"{args.cluster} is not here: plan it uncalibrated"
         )
     source = args.config[0]
-    searcher = Searcher(data, cluster, source, log=lambda s: print(s, file=sys.stderr))
+    searcher = Searcher(data, cluster, source, log=_progress, lengths=lengths)
     if searcher.cfg.algorithm not in RL_ALGORITHMS:
         raise ConfigError(f"{source}: algorithm: the planner plans RL runs (ppo, grpo)")
     explicit = args.cost_model != DEFAULT_COST_MODEL
@@ -146,7 +159,7 @@ def cli(args: argparse.Namespace) -> int:
         f"plans for {source} ({searcher.cfg.algorithm}) on {cluster.label} ({how}; cost model "
         f"{fitted}; seconds per iteration, bytes per device)"
     )
-    print(format_plans(plans, rejected, args.top, header))
+    print(format_plans(plans, rejected, args.top, header, lengths))
     if plans:
         print(_compare(plans, _flat(plans), "flat (the best plan with every role on one mesh)"))
         configured = searcher.exact({}, model) if args.calibrate else as_configured

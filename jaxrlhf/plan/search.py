@@ -32,6 +32,7 @@ from jaxrlhf.plan.estimate import (
     state_floor,
 )
 from jaxrlhf.plan.hardware import Cluster
+from jaxrlhf.plan.lengths import BUDGET, LengthModel
 
 __all__ = ["Evaluated", "Searcher", "search"]
 
@@ -50,8 +51,16 @@ class Evaluated:
 class Searcher:
     """Compiles and prices plans of one run on one cluster, caching what it compiled."""
 
-    def __init__(self, base: dict[str, Any], cluster: Cluster, source: str, log=print):
+    def __init__(
+        self,
+        base: dict[str, Any],
+        cluster: Cluster,
+        source: str,
+        log=print,
+        lengths: LengthModel = BUDGET,
+    ):
         self.base, self.cluster, self.source, self.log = base, cluster, source, log
+        self.lengths = lengths  # the response lengths generation is priced at
         self.cfg = from_dict(base, source=source)
         self.evaluated: list[Evaluated] = []
         self._by_layout: dict[str, tuple[float, Evaluated | None]] = {}
@@ -98,10 +107,10 @@ class Searcher:
                 compiled = compile_plan(cfg, self.source)
             except invalid_plan_errors() as e:
                 self.evaluated.append(Evaluated(plan, label, None, _first_line(e)))
-                if "micro" in str(e):
-                    continue  # this micro-batch size does not divide the rows: try smaller
+                if "micro" in str(e) or "rollout.slots" in str(e):
+                    continue  # this micro-batch or slot count does not divide: try smaller
                 break  # not a valid layout: memory knobs do not change that
-            fits = estimate(cfg, self.cluster, model, compiled=compiled)
+            fits = estimate(cfg, self.cluster, model, compiled=compiled, lengths=self.lengths)
             took = time.perf_counter() - start
             if not fits.fits:
                 self.evaluated.append(Evaluated(plan, label, None, fits.rejected))
@@ -144,6 +153,7 @@ class Searcher:
             compiled=e.compiled,
             overlay=e.overlay,
             label=e.label,
+            lengths=self.lengths,
         )
 
     def ranked(self, model: CostModel) -> tuple[list[PlanEstimate], list[Evaluated]]:

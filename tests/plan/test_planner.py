@@ -13,6 +13,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.plan import __main__ as plan_cli
 from jaxrlhf.plan import candidates, estimate
 from jaxrlhf.plan.hardware import Cluster, DeviceSpec
+from jaxrlhf.plan.lengths import BUDGET, engine_chunks, parse_lengths
 from jaxrlhf.plan.planner import read_run
 
 RUN = {
@@ -155,12 +156,49 @@ def test_runs_per_iteration_follow_the_config():
     assert runs[("train", "update")] == 4  # epochs x minibatches
 
 
+def test_engine_generation_is_priced_on_the_length_distribution():
+    """With the rollout engine, the decode program's runs are the chunks the engine would run
+    on the lengths (``lengths.engine_chunks``) times its steps per chunk, and the admission
+    program's its admissions: shorter samples cost less, and generate's seconds scale with
+    those runs. The static sampler's decode runs max_new_tokens steps whatever the lengths."""
+    engine = {"engine": "continuous", "slots": 4, "chunk_tokens": 2, "stream_scoring": False}
+    one_device = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}}
+    cfg = from_dict(merge_configs(RUN, {"grpo": {"rollout": engine}, **one_device}))
+    cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 1)
+    model = estimate.CostModel()
+    compiled = estimate.compile_plan(cfg)
+    tail = parse_lengths("lognormal:3,1.0")
+    full = estimate.estimate(cfg, cluster, model, compiled=compiled)
+    short = estimate.estimate(cfg, cluster, model, compiled=compiled, lengths=tail)
+    runs = {(p.phase, p.name): p for p in short.programs}
+    budget_runs = {(p.phase, p.name): p for p in full.programs}
+    chunks, admits = engine_chunks(tail.lengths(8, 16), 4, 2, 2)
+    assert runs[("generate", "decode")].runs == 2 * chunks
+    assert runs[("generate", "admit")].runs == admits
+    assert budget_runs[("generate", "decode")].runs == 2 * 16  # 2 waves of 16 steps
+    per_run = budget_runs[("generate", "decode")].seconds / (2 * 16)
+    assert runs[("generate", "decode")].seconds == pytest.approx(2 * chunks * per_run)
+    assert short.phases["generate"] < full.phases["generate"]
+    static = from_dict(merge_configs(RUN, one_device))
+    static_compiled = estimate.compile_plan(static)
+    a, b = (
+        estimate.estimate(static, cluster, model, compiled=static_compiled, lengths=x)
+        for x in (BUDGET, tail)
+    )
+    assert a.phases == b.phases
+    # Slots are a memory knob: halved down to one prompt group's.
+    slots = [v for v in candidates.memory_variants(cfg) if "grpo" in v]
+    assert slots == [{"grpo": {"rollout": {"slots": 2}}}]
+    assert "slots 2" in candidates.describe(slots[0], "grpo")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--cluster", "v100x8"], "unknown device kind 'v100'"),
         (["--cluster", "h100x8", "--calibrate"], "--calibrate times plans on this machine"),
         (["--cluster", "cpu-2", "--top", "0"], "--top and --calibrate-plans must be >= 1"),
+        (["--cluster", "h100x8", "--lengths", "normal:3"], "--lengths: expected 'budget' or"),
     ],
 )
 def test_command_line_errors_are_one_line(run_yaml, argv, message, capsys):

@@ -1,0 +1,116 @@
+"""Response lengths for pricing generation: a distribution, and the rollout engine's decode
+chunks under it.
+
+The static sampler decodes every row for ``max_new_tokens`` steps (a fixed-trip scan), so its
+time does not depend on the lengths. The rollout engine (``rollout.engine: continuous``)
+frees a slot as soon as its sample ends and admits the next queued prompt group into free
+slots between chunks: its decode steps depend on how the lengths fall into its slots.
+:func:`engine_chunks` replays the engine's admission policy (``generation.engine``: queued
+groups in order, a group only when ``n`` slots are free, admitted before each chunk; a
+finished sample frees its slot after the chunk it ended in) on given lengths and counts the
+chunks and admission calls.
+
+A distribution (``--lengths`` of ``python -m jaxrlhf.plan``):
+
+* ``budget``: every sample runs to ``max_new_tokens`` (the default; the worst case).
+* ``lognormal:MEDIAN,SIGMA``: lengths in tokens from a lognormal of that median and shape,
+  capped at ``max_new_tokens`` and at least 1 (G2's long tail is ``lognormal:48,1.439``:
+  5% of samples reach a 512-token budget). An iteration's rows take the distribution's
+  quantiles at ``(i + 0.5) / rows``, in a fixed shuffled order (rows of one prompt are not
+  alike), so a plan's price is deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import numpy as np
+from jaxtyping import Int
+
+__all__ = ["BUDGET", "LengthModel", "engine_chunks", "parse_lengths"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthModel:
+    """A response-length distribution (module docstring).
+
+    Attributes:
+      kind: ``budget`` or ``lognormal``.
+      median: the lognormal's median, in tokens.
+      sigma: the lognormal's shape (the standard deviation of log length).
+    """
+
+    kind: str = "budget"
+    median: float = 0.0
+    sigma: float = 0.0
+
+    def lengths(self, rows: int, budget: int) -> Int[np.ndarray, " rows"]:
+        """[rows] response lengths in ``[1, budget]`` tokens (module docstring)."""
+        if self.kind == "budget":
+            return np.full(rows, budget, np.int64)
+        normal = statistics.NormalDist()
+        z = np.array([normal.inv_cdf((i + 0.5) / rows) for i in range(rows)])
+        raw = np.exp(math.log(self.median) + self.sigma * z)
+        lengths = np.clip(np.round(raw), 1, budget).astype(np.int64)
+        return lengths[np.random.default_rng(0).permutation(rows)]
+
+    def describe(self) -> str:
+        if self.kind == "budget":
+            return "every sample generates max_new_tokens tokens"
+        return (
+            f"response lengths lognormal (median {self.median:g} tokens, sigma {self.sigma:g}), "
+            "capped at max_new_tokens"
+        )
+
+
+BUDGET = LengthModel()  # every sample to max_new_tokens
+
+
+def parse_lengths(spec: str) -> LengthModel:
+    """``budget`` or ``lognormal:MEDIAN,SIGMA`` as a :class:`LengthModel`.
+
+    Raises:
+      ValueError: anything else (one line, with the forms accepted).
+    """
+    kind, _, args = spec.partition(":")
+    if kind == "budget" and not args:
+        return LengthModel()
+    if kind == "lognormal":
+        try:
+            median, sigma = (float(x) for x in args.split(","))
+        except ValueError:
+            median = sigma = -1.0
+        if median >= 1 and sigma >= 0:
+            return LengthModel("lognormal", median, sigma)
+    raise ValueError(
+        f"--lengths: expected 'budget' or 'lognormal:MEDIAN,SIGMA' (median >= 1 token, "
+        f"sigma >= 0), got {spec!r}"
+    )
+
+
+def engine_chunks(
+    lengths: Int[np.ndarray, " rows"], slots: int, chunk: int, n: int
+) -> tuple[int, int]:
+    """The rollout engine's decode chunks and admission calls for one call whose rows (prompt
+    ``g``'s samples at ``g * n ... g * n + n - 1``) generate ``lengths`` tokens each, on
+    ``slots`` slots decoding ``chunk`` steps per chunk.
+
+    A sample decodes ``length`` steps (its admission's prefill only fills the cache); one
+    that ends within a chunk frees its slot after that chunk.
+    """
+    if len(lengths) % n or slots < n:
+        raise ValueError(f"engine_chunks: {len(lengths)} rows in groups of {n}, {slots} slots")
+    queue = list(np.asarray(lengths).reshape(-1, n))
+    running: list[int] = []  # steps each running sample has left to decode
+    chunks = admits = 0
+    while queue or running:
+        groups = min((slots - len(running)) // n, len(queue))
+        if groups:
+            admits += 1
+            for _ in range(groups):
+                running += [int(x) for x in queue.pop(0)]
+        chunks += 1
+        running = [r - chunk for r in running if r - chunk > 0]
+    return chunks, admits

@@ -1,0 +1,67 @@
+"""jaxrlhf.plan.lengths: the length distributions and the engine's chunks under them. The
+replayed admission policy is checked against the engine itself: per-row budgets with no stop
+tokens fix every sample's length, and the engine reports the chunks it ran."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrlhf.generation import Sampler, SamplingParams
+from jaxrlhf.generation.engine import Engine
+from jaxrlhf.models import model as M
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.plan.lengths import LengthModel, engine_chunks, parse_lengths
+
+
+def test_engine_chunks_by_hand():
+    """4 slots, chunks of 2 steps, groups of 2. Lengths 5,5 | 3,1 | 2,2: groups 0 and 1 are
+    admitted first; after chunk 1 (5, 5, 3 -> 3, 3, 1; the 1 done) one slot is free, too few
+    for group 2; after chunk 2 (-> 1, 1) two are, and chunk 3 ends every sample: 3 chunks,
+    2 admissions."""
+    assert engine_chunks(np.array([5, 5, 3, 1, 2, 2]), slots=4, chunk=2, n=2) == (3, 2)
+    # One slot, one step per chunk: the lengths' sum.
+    assert engine_chunks(np.array([3, 4, 1]), slots=1, chunk=1, n=1) == (8, 3)
+    # Every row to the budget in whole waves (2 waves of ceil(9 / 4) chunks): what the dry
+    # run assumes.
+    assert engine_chunks(np.full(8, 9), slots=4, chunk=4, n=2) == (2 * 3, 2)
+
+
+@pytest.mark.parametrize(("slots", "chunk"), [(4, 2), (6, 3), (2, 1)])
+def test_engine_chunks_equal_the_engines_own_count(slots, chunk):
+    """12 samples (6 prompts x 2) of lengths 1-12 through the engine: the replay counts the
+    chunks it ran, exactly."""
+    cfg = ModelConfig.tiny()
+    params = M.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    prompts, n, budget = 6, 2, 12
+    tokens = rng.integers(60, cfg.vocab_size, (prompts, 8)).astype(np.int32)
+    mask = np.ones_like(tokens, bool)
+    lengths = rng.integers(1, budget + 1, prompts * n)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=budget, n=n, pad_token_id=0)
+    out = Engine(Sampler(cfg), slots=slots, chunk=chunk).generate(
+        params, tokens, mask, jax.random.key(2), sampling, max_new_tokens=lengths
+    )
+    np.testing.assert_array_equal(out.finished.lengths, lengths)
+    assert engine_chunks(lengths, slots, chunk, n)[0] == out.chunks
+
+
+def test_lognormal_quantiles():
+    """Rows at the quantiles (i + 0.5) / rows: the median row is the median, the cap holds,
+    the order is shuffled but fixed."""
+    model = parse_lengths("lognormal:48,1.439")
+    lengths = model.lengths(129, 512)
+    assert sorted(lengths)[64] == 48
+    assert lengths.max() == 512 and lengths.min() >= 1
+    # P(X > 512) = 1 - Phi(ln(512 / 48) / 1.439) = 5.0%: 6 or 7 of 129 rows at the cap.
+    assert 6 <= (lengths == 512).sum() <= 7
+    np.testing.assert_array_equal(lengths, model.lengths(129, 512))
+    assert not np.all(np.diff(lengths) >= 0)
+    np.testing.assert_array_equal(LengthModel().lengths(3, 7), [7, 7, 7])
+
+
+@pytest.mark.parametrize("spec", ["lognormal:48", "lognormal:0.5,1", "uniform", "budget:3"])
+def test_bad_specs_are_one_line(spec):
+    with pytest.raises(ValueError, match="--lengths: expected 'budget' or 'lognormal:"):
+        parse_lengths(spec)
