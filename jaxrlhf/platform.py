@@ -174,13 +174,15 @@ def set_cpu_client_threads(count: int) -> str | None:
     return None
 
 
-def concurrent_programs_fit(devices_a: int, devices_b: int) -> bool:
-    """Whether two programs over ``devices_a`` and ``devices_b`` CPU devices can be in flight
-    at once without starving the client's pool (module docstring): one of them runs on a
-    single device, or the pool has twice the devices they span."""
-    if min(devices_a, devices_b) <= 1:
+def concurrent_programs_fit(*devices: int) -> bool:
+    """Whether programs over ``devices[i]`` CPU devices each can be in flight at once without
+    starving the client's pool (module docstring): at most one of them spans several
+    devices (single-device programs run on their calling thread), or the pool has twice
+    the devices the multi-device ones span."""
+    multi = [d for d in devices if d > 1]
+    if len(multi) <= 1:
         return True
-    return cpu_client_threads() >= 2 * (devices_a + devices_b)
+    return cpu_client_threads() >= 2 * sum(multi)
 
 
 def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -49,21 +49,26 @@ from jaxrlhf.sharding.mesh import MeshError
 from jaxrlhf.train.timeline import Timeline
 
 
-def check_concurrency(a: Any, b: Any, what: str) -> None:
-    """On CPU devices, refuses two meshes whose programs, in flight at once, would starve the
+def check_concurrency(meshes: Mapping[str, Any]) -> None:
+    """On CPU devices, refuses meshes whose programs, in flight at once, would starve the
     XLA:CPU client's thread pool (``jaxrlhf.platform``): concurrency is never switched off
-    quietly.
+    quietly. ``meshes``: the config field that puts each mesh in flight -> the mesh.
 
     Raises:
-      MeshError: both meshes span several CPU devices and the pool is too small.
+      MeshError: two or more of them span several CPU devices and the pool is too small.
     """
-    if a.devices.flat[0].platform != "cpu" or platform.concurrent_programs_fit(a.size, b.size):
+    sizes = {field: mesh.size for field, mesh in meshes.items()}
+    first = next(iter(meshes.values()))
+    if first.devices.flat[0].platform != "cpu" or platform.concurrent_programs_fit(*sizes.values()):
         return
-    need = 2 * (a.size + b.size)
+    need = 2 * sum(n for n in sizes.values() if n > 1)
+    fields = ", ".join(f for f, n in sizes.items() if n > 1)
+    counts = " and ".join(str(n) for n in sizes.values())
     raise MeshError(
-        f"{what}: programs on {a.size} and {b.size} CPU devices at once need {need} XLA:CPU "
-        f"client threads, this process has {platform.cpu_client_threads()}; set "
-        f"{platform.CLIENT_THREADS_ENV}={need} before JAX starts, or give one side one device"
+        f"{fields}: programs on {counts} CPU devices at once need {need} XLA:CPU client "
+        f"threads, this process has {platform.cpu_client_threads()}; set "
+        f"{platform.CLIENT_THREADS_ENV}={need} before JAX starts, or give all but one group "
+        "one device"
     )
 
 
@@ -109,8 +114,7 @@ class RolloutProducer:
         self.slack = 1 if trainer.algo.rollout.partial_rollouts else 0
         self.timeline = timeline
         self.executor = None
-        if max_staleness > 0:
-            check_concurrency(trainer.sampler.mesh, trainer.mesh, "rollout.max_staleness")
+        if max_staleness > 0:  # (the trainer checked that its groups can run at once)
             self.executor = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="jaxrlhf-sampler"
             )

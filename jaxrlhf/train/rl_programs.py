@@ -311,8 +311,9 @@ def _scoring(
     sequences (``rl.packing.score`` rows per shard of ``shards``). Old log-probs and values
     come from the learners' own (train-rule) modules, so the first minibatch's forward is
     the scoring forward's computation (its ratio is 1). ``critic_apart``: the critic's values
-    are scored on its own mesh (``interleaved``), not here. ``reference`` None: the rows
-    carry the reference's log-probs (``placement.reference: sampler``)."""
+    are scored on its own mesh (``interleaved``), not here. ``reference`` None: the reference
+    is scored apart (``placement.reference: sampler``: the rows carry its log-probs;
+    ``own``: they join the forwards' output before the advantages)."""
     group = rl.groups.score
 
     def scoring(forward: RolloutForward | None) -> RolloutForward | None:

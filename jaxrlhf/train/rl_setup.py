@@ -99,8 +99,9 @@ def _lora_value(programs: RLPrograms, policy_frozen: Any, key: jax.Array) -> tup
 def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> InitialStates:
     """The learners' states and the reference in the programs' shardings; the reference is
     a frozen copy of the initial policy (with LoRA, the policy's base itself), on the
-    sampler's devices with ``placement.reference: sampler`` (copied there straight from the
-    policy's parameters: the learner's devices never hold it)."""
+    sampler's devices with ``placement.reference: sampler`` and on its own group's with
+    ``own`` (copied there straight from the policy's parameters: the learner's devices
+    never hold it)."""
     if programs.policy_lora is not None:
         return _initial_lora_states(cfg, programs, key)
     if programs.hydra is not None:
@@ -109,8 +110,9 @@ def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> Init
     if programs.reference_apart is not None:
         ref_params, stats = reshard(policy_params, programs.reference_apart_shardings)
         logger.info(
-            "placement.reference: sampler: the reference's copy on the sampler's devices "
-            "(%.1f MiB moved once)",
+            "placement.reference: %s: the reference's copy on devices %s (%.1f MiB moved once)",
+            cfg.placement.reference,
+            [int(d.id) for d in programs.reference_mesh.devices.flat],
             stats.bytes_moved / 2**20,
         )
     else:

@@ -148,13 +148,19 @@ class RLTrainer:
             "sampler": tuple(int(d.id) for d in self.sampler.mesh.devices.flat),
             "learner": tuple(int(d.id) for d in self.mesh.devices.flat),
         }
+        # Every mesh whose programs can be in flight at once (threads and the producer).
+        in_flight = {"mesh": self.mesh}
+        sampler_apart = set(self.sampler.mesh.devices.flat) != set(self.mesh.devices.flat)
+        if self.algo.rollout.max_staleness > 0 and sampler_apart:
+            in_flight["rollout.max_staleness"] = self.sampler.mesh
         if self.programs.critic_mesh is not None:
             groups["critic"] = tuple(int(d.id) for d in self.programs.critic_mesh.devices.flat)
-            check_concurrency(self.mesh, self.programs.critic_mesh, "placement.critic")
+            in_flight["placement.critic"] = self.programs.critic_mesh
         if self.reference_own:
             ref_mesh = self.programs.reference_mesh
             groups["reference"] = tuple(int(d.id) for d in ref_mesh.devices.flat)
-            check_concurrency(self.mesh, ref_mesh, "placement.reference_group")
+            in_flight["placement.reference_group"] = ref_mesh
+        check_concurrency(in_flight)
         self.timeline = Timeline(groups)
         self.producer = RolloutProducer(
             self,
@@ -649,7 +655,8 @@ class RLTrainer:
         shaped = shape_scores(rollout.scores, normalize=reward_cfg.normalize, clip=reward_cfg.clip)
         kl_coef = jnp.asarray(self.kl_state.kl_coef, jnp.float32)
         scores = put_global(shaped, programs.rows(1))
-        if programs.critic_mesh is not None or self.reference_own:
+        interleaved = programs.critic_mesh is not None or self.reference_own
+        if interleaved:
             scored, reference_s = self._score_interleaved(
                 rollout, rows, scores, kl_coef, plan, forwards
             )
@@ -672,7 +679,8 @@ class RLTrainer:
         jax.block_until_ready(scored)
         timings["time/score_s"] = time.perf_counter() - start
         t_update = self.timeline.now()
-        self.timeline.record("score", "learner", self.steps_done, t_score, t_update)
+        if not interleaved:  # (an interleaved score records the learner's own phases)
+            self.timeline.record("score", "learner", self.steps_done, t_score, t_update)
 
         start = time.perf_counter()
         behaviour = None
@@ -721,36 +729,58 @@ class RLTrainer:
         forwards: Scored | None,
     ) -> tuple[Scored, float | None]:
         """``interleaved``: the old-policy forward (and the reference's, unless it has its own
-        group) on the learner's devices, or those the engine streamed, while the critic's
-        value forward runs on its group and the reference's (``reference: own``, from a
-        host thread) on its own; the values and reference log-probs then join the advantages
-        on the learner's. Every side packs the rows by its own plan (scoring's, or the
-        reference mesh's planner). Returns the scored rows and the reference's seconds
+        group) on the learner's devices, or those the engine streamed, while host threads
+        run the critic's value forward on its group and the reference's (``reference:
+        own``) on its own; the values and reference log-probs then join the advantages on
+        the learner's. Every side packs the rows by its own plan (scoring's, or the
+        reference mesh's planner). The learner's forwards and advantages are recorded as
+        its own ``score`` phases (the caller records none), so the timeline's overlap is
+        the groups' real concurrency. Returns the scored rows and the reference's seconds
         (None: not scored apart here)."""
-        programs = self.programs
+        programs, step = self.programs, self.steps_done
         own_ref = self.reference_own and rollout.ref_logprobs is None
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        critic = programs.critic_mesh is not None
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
             reference = pool.submit(self._reference_on_group, rollout) if own_ref else None
+            values = pool.submit(self._values_on_critic, rows, plan) if critic else None
             if forwards is None:
-                forwards = programs.score_forwards(
-                    self.policy_params, self.ref_params, None, rows, plan and plan.rows
-                )  # dispatched; the critic's forward runs meanwhile
-            if programs.critic_mesh is not None:
                 start = self.timeline.now()
-                critic_rows = programs.put_critic_rows(rows.replace(turn_rewards=None))
-                values = jax.block_until_ready(
-                    programs.score_values(self.value_params, critic_rows, plan and plan.rows)
+                forwards = jax.block_until_ready(
+                    programs.score_forwards(
+                        self.policy_params,
+                        self.ref_params,
+                        None if critic else self.value_params,
+                        rows,
+                        plan and plan.rows,
+                    )
                 )
-                self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
-                forwards = forwards.replace(old_values=jax.device_put(values, programs.rows(2)))
+                self.timeline.record("score", "learner", step, start, self.timeline.now())
             reference_s = None
+            if values is not None:
+                forwards = forwards.replace(old_values=values.result())
             if reference is not None:
                 ref, reference_s = reference.result()
                 forwards = forwards.replace(ref_logprobs=put_global(ref, programs.rows(2)))
-        scored = programs.score_advantages(
-            forwards, rows.response_mask, scores, kl_coef, rows.turn_rewards
+        start = self.timeline.now()
+        scored = jax.block_until_ready(
+            programs.score_advantages(
+                forwards, rows.response_mask, scores, kl_coef, rows.turn_rewards
+            )
         )
+        self.timeline.record("score", "learner", step, start, self.timeline.now())
         return scored, reference_s
+
+    def _values_on_critic(self, rows: Any, plan: Any) -> jax.Array:
+        """``interleaved``: [N, T] the critic's values of ``rows`` scored on its group,
+        placed like the learner's rows; recorded on the timeline."""
+        programs = self.programs
+        start = self.timeline.now()
+        critic_rows = programs.put_critic_rows(rows.replace(turn_rewards=None))  # unread there
+        values = jax.block_until_ready(
+            programs.score_values(self.value_params, critic_rows, plan and plan.rows)
+        )
+        self.timeline.record("score", "critic", self.steps_done, start, self.timeline.now())
+        return jax.device_put(values, programs.rows(2))
 
     def _reference_on_group(self, rollout: Rollout) -> tuple[np.ndarray, float]:
         """``reference: own``: [N, T] the reference's log-probs of ``rollout``'s rows on its

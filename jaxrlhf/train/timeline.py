@@ -36,9 +36,10 @@ class Phase:
     """One recorded piece of work.
 
     Attributes:
-      name: ``sample``, ``reference`` (its forward on the sampler's group), ``sync``,
-        ``score`` or ``update``.
-      group: the device group it ran on (``sampler`` or ``learner``).
+      name: ``sample``, ``reference`` (its forward on the sampler's group or its own),
+        ``sync``, ``score`` or ``update``.
+      group: the device group it ran on (``sampler``, ``learner``, and in an interleaved
+        placement ``critic`` or ``reference``).
       step: the iteration (rollout index for ``sample``) it belongs to.
       start, end: seconds since the timeline started.
       devices: the device ids it ran on.

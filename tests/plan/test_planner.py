@@ -156,6 +156,24 @@ def test_runs_per_iteration_follow_the_config():
     assert runs[("train", "update")] == 4  # epochs x minibatches
 
 
+def test_plans_of_an_interleaved_run_are_valid_runs():
+    """A run configured with its reference on a group of its own (``interleaved``): every
+    layout the planner derives from it is a valid config (its own placement fields, the
+    reference's group among them, do not leak into the plans)."""
+    own = {
+        "strategy": "interleaved",
+        "reference": "own",
+        "reference_group": {"devices": [1]},
+        "learner": {"devices": [0]},
+    }
+    cfg = from_dict(merge_configs(RUN, {"placement": own}))
+    overlays = list(candidates.layouts(cfg, 2, cpu=True))
+    assert len(overlays) > 2
+    for overlay in overlays:
+        placement = from_dict(merge_configs(RUN, {"placement": own}, overlay)).placement
+        assert placement.reference_group is None and placement.strategy != "interleaved"
+
+
 def test_engine_generation_is_priced_on_the_length_distribution():
     """With the rollout engine, the decode program's runs are the chunks the engine would run
     on the lengths (``lengths.engine_chunks``) times its steps per chunk, and the admission

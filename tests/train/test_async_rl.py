@@ -145,10 +145,17 @@ def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_
     assert timeline["summary"]["host/cpu_cores"] > 0
 
 
-def test_asynchronous_run_scores_the_reference_on_its_own_group(fast_compile, tmp_path):
+@pytest.mark.parametrize("minibatches", [2, 1])
+def test_asynchronous_run_scores_the_reference_on_its_own_group(
+    fast_compile, tmp_path, minibatches
+):
     """Staleness 1 with the reference on its own device (1): each iteration's reference
-    forward is recorded there, the run trains with a finite KL, and the timeline's summary
-    measures the learner-reference overlap."""
+    forward is recorded there and the run trains with a finite KL. The timeline measures the
+    learner-reference overlap from the learner's own phases: with 2 minibatches the
+    learner's old-policy forward (as long as the reference's) runs beside most of the
+    reference's time (measured: all of it); with 1 the update's forward stands in for it,
+    the learner's scoring forward computes nothing and the reference runs alone (measured:
+    2% of its time overlapped, the empty program's dispatch)."""
     cfg, src = _config(
         tmp_path,
         "grpo",
@@ -158,7 +165,7 @@ def test_asynchronous_run_scores_the_reference_on_its_own_group(fast_compile, tm
         "placement.reference_group={devices: [1]}",
         "train.steps=3",
         "grpo.loss.kl_coef=0.1",
-        "grpo.loss.num_minibatches=2",
+        f"grpo.loss.num_minibatches={minibatches}",
         "grpo.rollout.max_staleness=1",
     )
     result = loop.run(cfg, source=src)
@@ -170,7 +177,9 @@ def test_asynchronous_run_scores_the_reference_on_its_own_group(fast_compile, tm
     assert [(p["name"], p["step"], p["devices"]) for p in phases] == [
         ("reference", step, [1]) for step in range(3)
     ]
-    assert 0 <= timeline["summary"]["reference_overlap_frac"] <= 1
+    summary = timeline["summary"]
+    overlapped = summary["reference_overlap_frac"] / summary["reference/busy_frac"]
+    assert overlapped > 0.5 if minibatches == 2 else overlapped < 0.5
     assert timeline["groups"]["reference"] == [1]
 
 
@@ -226,18 +235,26 @@ def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
                 "placement.critic={devices: [2]}",
             ),
         ),
+        (
+            "ppo",
+            (
+                "ppo.loss.kl_mode=reward",
+                "ppo.loss.kl_coef=0.1",
+                "ppo.rollout.num_samples=4",
+            ),
+        ),
     ],
-    ids=["grpo", "ppo-with-critic-group"],
+    ids=["grpo", "ppo-with-critic-group", "ppo-critic-with-the-learner"],
 )
 def test_reference_on_its_own_group_does_the_colocated_math(
     fast_compile, tmp_path, algo, overrides
 ):
     """``interleaved`` with ``reference: own``: the reference's forward on device 1 (from a
     host thread, while the old-policy forward runs on the learner's device 0; PPO's critic
-    on device 2 too), the sampler on device 3. Two iterations on the same rollouts (the
-    second with a non-zero KL) give the same reference log-probs, parameters and metrics as
-    everything on device 0, to 1e-5 (the same forwards at other micro-batch shapes and
-    packing: rounding differs in the last bits)."""
+    on device 2 too, or with the policy), the sampler on device 3. Two iterations on the
+    same rollouts (the second with a non-zero KL) give the same reference log-probs,
+    parameters and metrics as everything on device 0, to 1e-5 (the same forwards at other
+    micro-batch shapes and packing: rounding differs in the last bits)."""
     own = (
         "placement.strategy=interleaved",
         "placement.learner={devices: [0]}",
@@ -342,9 +359,29 @@ def test_weights_reach_the_sampler_every_k_updates(fast_compile, tmp_path):
 
 def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile, tmp_path):
     """Sampling on 4 CPU devices while learning on 4 others would starve XLA:CPU's client
-    pool (8 threads here; jaxrlhf.platform): refused with the fix, not serialised quietly."""
+    pool (8 threads here; jaxrlhf.platform): refused with the fix, not serialised quietly;
+    likewise three groups whose multi-device programs together need more threads."""
     cfg, src = _config(tmp_path, "grpo", *SEPARATED, "grpo.rollout.max_staleness=1")
-    with pytest.raises(MeshError, match="need 16 XLA:CPU client threads, this process has 8"):
+    message = "max_staleness: programs on 4 and 4 CPU devices at once need 16"
+    with pytest.raises(MeshError, match=message):
+        build_rl_trainer(cfg, source=src)
+    # Three groups in flight: the learner on one device, the sampler's thread on 4 and the
+    # reference's on 2: each beside the learner alone would fit, the three together do not.
+    cfg, src = _config(
+        tmp_path,
+        "grpo",
+        "placement.strategy=interleaved",
+        "placement.sampler={devices: [0, 1, 2, 3]}",
+        "placement.reference=own",
+        "placement.reference_group={devices: [4, 5]}",
+        "placement.learner={devices: [6]}",
+        "grpo.rollout.max_staleness=1",
+    )
+    message = (
+        "rollout.max_staleness, placement.reference_group: programs on 1 and 4 and 2 CPU "
+        "devices at once need 12 XLA:CPU client threads, this process has 8"
+    )
+    with pytest.raises(MeshError, match=message):
         build_rl_trainer(cfg, source=src)
 
 
