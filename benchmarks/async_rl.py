@@ -12,6 +12,9 @@ samples) in two placements:
   samples iteration i + 1 with the weights of version i while the learner trains on i.
 * ``async-ref``: ``async`` with ``placement.reference: sampler`` (the reference's forward on
   the sampler's device, after each batch).
+* ``one-device`` / ``interleaved-ref``: synchronous, sampler and learner on device 0, the
+  reference's forward there too or on device 1 (``placement.strategy: interleaved``,
+  ``reference: own``), beside the learner's old-policy forward.
 * ``async-over`` / ``async-partial``: ``async`` through the rollout engine, over-sampling 4
   groups and keeping the first 16 to finish; the rest cancelled (over) or carried into the
   next rollout (``rollout.partial_rollouts``, at ``max_staleness`` 2 so that carried tokens,
@@ -62,6 +65,16 @@ PLACEMENTS = {
         "learner": {"devices": [1]},
         "reference": "sampler",
     },
+}
+# The reference interleaved on its own device (synchronous; the sampler and the learner on
+# device 0) against the same run with the reference beside them on device 0.
+PLACEMENTS["one-device"] = {"cpu_devices": 2, "train_devices": 1}
+PLACEMENTS["interleaved-ref"] = {
+    "cpu_devices": 2,
+    "strategy": "interleaved",
+    "learner": {"devices": [0]},
+    "reference": "own",
+    "reference_group": {"devices": [1]},
 }
 PROMPTS, SAMPLES = 16, 4  # per iteration
 # The asynchronous run through the rollout engine, over-sampling OVERSAMPLE groups (the
@@ -146,8 +159,8 @@ def measure(mode: str, seed: int, args: argparse.Namespace, root: str) -> dict:
         "seed": seed,
         "it_per_s": (args.steps - args.skip) / span,
         "device0_busy": summary["device0/busy_frac"],
-        "device1_busy": summary["device1/busy_frac"],
-        "overlap": summary["overlap_frac"],
+        "device1_busy": summary.get("device1/busy_frac", 0.0),  # one-device: unused
+        "overlap": summary.get("reference_overlap_frac", summary["overlap_frac"]),
         "host_cores": host_cores(cpu),
         "reward_curve": [r[key] for r in rows],
         "final_reward": float(np.mean([r[key] for r in rows[-5:]])),
