@@ -34,6 +34,16 @@ ASYNC = (
 )
 
 
+# The reference-placement tests' runs: KL in GRPO's loss and in PPO's reward, 2 minibatches
+# (so the learner runs an old-policy forward beside a reference scored apart).
+GRPO_KL = ("grpo", ("grpo.loss.kl_coef=0.1", "grpo.loss.num_minibatches=2"))
+PPO_KL_REWARD = (
+    "ppo.loss.kl_mode=reward",
+    "ppo.loss.kl_coef=0.1",
+    "ppo.loss.num_minibatches=2",
+    "ppo.rollout.num_samples=4",
+)
+
 # Partial rollouts: the engine over-samples 2 groups and carries the unfinished ones.
 PARTIAL = (
     "grpo.rollout.engine=continuous",
@@ -73,16 +83,8 @@ def test_separated_does_the_colocated_math(fast_compile, tmp_path):
 @pytest.mark.parametrize(
     ("algo", "overrides"),
     [
-        ("grpo", ("grpo.loss.kl_coef=0.1", "grpo.loss.num_minibatches=2")),
-        (
-            "ppo",
-            (
-                "ppo.loss.kl_mode=reward",
-                "ppo.loss.kl_coef=0.1",
-                "ppo.loss.num_minibatches=2",
-                "ppo.rollout.num_samples=4",
-            ),
-        ),
+        GRPO_KL,
+        ("ppo", PPO_KL_REWARD),
     ],
     ids=["grpo-kl-loss", "ppo-kl-reward"],
 )
@@ -123,9 +125,10 @@ def test_reference_on_the_sampler_does_the_colocated_math(fast_compile, tmp_path
     assert bare["time/reference_s"] > 0
 
 
-def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_path):
-    """With staleness 1 the sampler's thread scores the reference after each batch: the
-    timeline holds its phase on the sampler's device and a staleness-1 run trains."""
+def _staleness_1_run_with_the_reference_apart(tmp_path, *placement: str) -> dict:
+    """A 3-iteration GRPO run at staleness 1 (KL 0.1) with ``placement``: every iteration
+    trains at the staleness expected with the reference's log-probs scored apart and a
+    finite KL. Returns its timeline.json."""
     cfg, src = _config(
         tmp_path,
         "grpo",
@@ -133,13 +136,19 @@ def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_
         "train.steps=3",
         "grpo.loss.kl_coef=0.1",
         "grpo.rollout.max_staleness=1",
-        "placement.reference=sampler",
+        *placement,
     )
     result = loop.run(cfg, source=src)
     rows = _history(result.run_dir)
     assert [int(r["rollout/staleness"]) for r in rows] == [0, 1, 1]
     assert all(r["time/reference_s"] > 0 and np.isfinite(r["kl/seq_mean"]) for r in rows)
-    timeline = json.load(open(os.path.join(result.run_dir, TIMELINE_FILE)))
+    return json.load(open(os.path.join(result.run_dir, TIMELINE_FILE)))
+
+
+def test_asynchronous_run_scores_the_reference_on_the_sampler(fast_compile, tmp_path):
+    """With staleness 1 the sampler's thread scores the reference after each batch: the
+    timeline holds its phase on the sampler's device and a staleness-1 run trains."""
+    timeline = _staleness_1_run_with_the_reference_apart(tmp_path, "placement.reference=sampler")
     phases = [p for p in timeline["phases"] if p["name"] == "reference"]
     assert len(phases) == 3 and all(p["devices"] == [0] for p in phases)
     assert timeline["summary"]["host/cpu_cores"] > 0
@@ -156,23 +165,13 @@ def test_asynchronous_run_scores_the_reference_on_its_own_group(
     reference's time (measured: all of it); with 1 the update's forward stands in for it,
     the learner's scoring forward computes nothing and the reference runs alone (measured:
     2% of its time overlapped, the empty program's dispatch)."""
-    cfg, src = _config(
+    timeline = _staleness_1_run_with_the_reference_apart(
         tmp_path,
-        "grpo",
-        *ASYNC,
         "placement.strategy=interleaved",
         "placement.reference=own",
         "placement.reference_group={devices: [1]}",
-        "train.steps=3",
-        "grpo.loss.kl_coef=0.1",
         f"grpo.loss.num_minibatches={minibatches}",
-        "grpo.rollout.max_staleness=1",
     )
-    result = loop.run(cfg, source=src)
-    rows = _history(result.run_dir)
-    assert [int(r["rollout/staleness"]) for r in rows] == [0, 1, 1]
-    assert all(r["time/reference_s"] > 0 and np.isfinite(r["kl/seq_mean"]) for r in rows)
-    timeline = json.load(open(os.path.join(result.run_dir, TIMELINE_FILE)))
     phases = [p for p in timeline["phases"] if p["group"] == "reference"]
     assert [(p["name"], p["step"], p["devices"]) for p in phases] == [
         ("reference", step, [1]) for step in range(3)
@@ -224,17 +223,8 @@ def test_interleaved_does_the_colocated_math(fast_compile, tmp_path, models):
 @pytest.mark.parametrize(
     ("algo", "overrides"),
     [
-        ("grpo", ("grpo.loss.kl_coef=0.1", "grpo.loss.num_minibatches=2")),
-        (
-            "ppo",
-            (
-                "ppo.loss.kl_mode=reward",
-                "ppo.loss.kl_coef=0.1",
-                "ppo.loss.num_minibatches=2",
-                "ppo.rollout.num_samples=4",
-                "placement.critic={devices: [2]}",
-            ),
-        ),
+        GRPO_KL,
+        ("ppo", (*PPO_KL_REWARD, "placement.critic={devices: [2]}")),
         (
             "ppo",
             (
