@@ -106,6 +106,20 @@ class EngineOutput:
     carried_groups: int = 0
 
 
+def view_buckets(local: int, chunk: int, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """The view sizes an engine of ``local`` slots per shard and ``chunk`` steps per chunk
+    compiles its chunks for, ascending: slots per shard (all, then halving down to an
+    eighth) and generated cache slots (doubling from ``4 * chunk``, then all
+    ``max_new_tokens``)."""
+    rows = [local]
+    while rows[-1] % 2 == 0 and rows[-1] // 2 >= max(1, local // 8):
+        rows.append(rows[-1] // 2)
+    widths = [max_new_tokens]
+    while widths[-1] // 2 >= 4 * chunk:
+        widths.append(widths[-1] // 2)
+    return sorted(rows), sorted(widths)
+
+
 class Engine:
     """Runs continuous batching for one sampler (its model, mesh, rules and weight layout).
 
@@ -308,16 +322,8 @@ class Engine:
         return self._program("view", (statics, prompt_len, local_rows, width), build)
 
     def view_buckets(self, max_new_tokens: int) -> tuple[list[int], list[int]]:
-        """The view sizes chunks are compiled for: slots per shard (all, then halving) and
-        generated cache slots (doubling from ``4 * chunk``, then all ``max_new_tokens``)."""
-        local = self.slots // self.slot_shards
-        rows = [local]
-        while rows[-1] % 2 == 0 and rows[-1] // 2 >= max(1, local // 8):
-            rows.append(rows[-1] // 2)
-        widths = [max_new_tokens]
-        while widths[-1] // 2 >= 4 * self.chunk:
-            widths.append(widths[-1] // 2)
-        return sorted(rows), sorted(widths)
+        """The view sizes chunks are compiled for (:func:`view_buckets`)."""
+        return view_buckets(self.slots // self.slot_shards, self.chunk, max_new_tokens)
 
     # -- the host loop ---------------------------------------------------------------------
 

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxrlhf.config import ConfigError, RunConfig
 from jaxrlhf.plan.hardware import Cluster
-from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_chunks
+from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_replay
 from jaxrlhf.plan.simulator import Schedule, iteration_tasks, simulate
 from jaxrlhf.sharding import MeshError, ShardingRuleError
 from jaxrlhf.train.program_cost import ProgramCost, roofline_seconds
@@ -60,6 +60,7 @@ __all__ = [
     "estimate",
     "invalid_plan_errors",
     "state_floor",
+    "view_cost_model",
     "with_layers",
 ]
 
@@ -253,21 +254,87 @@ def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
     return programs, int(sync), one
 
 
-def _engine_runs(cfg: RunConfig, lengths: LengthModel) -> dict[str, int] | None:
+def _engine_runs(
+    cfg: RunConfig, lengths: LengthModel, programs: Sequence[tuple]
+) -> tuple[dict[str, int], ProgramCost | None] | None:
     """The rollout engine's ``decode`` steps and ``admit`` calls per iteration with response
-    lengths from ``lengths`` (:func:`~jaxrlhf.plan.lengths.engine_chunks` on the rows it
-    starts); None without the engine (the static sampler's steps do not depend on them)."""
+    lengths from ``lengths`` (:func:`~jaxrlhf.plan.lengths.engine_replay` on the rows it
+    starts), and the decode step's mean cost over those chunks, each on the view it decodes
+    on (None: every chunk costs the whole state's). None without the engine (the static
+    sampler's steps do not depend on the lengths).
+
+    A view's cost is affine in its slots per shard ``r`` and, per slot, in its generated
+    width ``w`` (weights are read once whatever the rows; each row's compute and cache reads
+    grow with the columns it reaches): ``a + b r + c r w``, fitted on the whole state and
+    the two views the dry run compiles at the fewest rows and at the narrowest width."""
     from jaxrlhf.config import rl_section
+    from jaxrlhf.train.dry_run_rl import VIEW_PREFIX
 
     r = rl_section(cfg).rollout
     if r.engine != "continuous":
         return None
     rows = r.started_prompts * r.num_samples
     slots = r.slots or rows
-    chunks, admits = engine_chunks(
-        lengths.lengths(rows, r.max_new_tokens), slots, r.chunk_tokens, r.num_samples
+    full = next(c for ph, name, _, c, _ in programs if (ph, name) == ("generate", "decode"))
+    views = {
+        tuple(int(x) for x in name[len(VIEW_PREFIX) :].split("x")): c
+        for ph, name, _, c, _ in programs
+        if ph == "generate" and name.startswith(VIEW_PREFIX)
+    }
+    t = r.max_new_tokens
+    narrow = [v for v in views if v[1] < t]
+    local = max(v[0] for v in narrow) if narrow else 2 * max((v[0] for v in views), default=0)
+    shards = slots // local if views and slots % local == 0 else 1
+    replay = engine_replay(
+        lengths.lengths(rows, t),
+        slots,
+        r.chunk_tokens,
+        r.num_samples,
+        shards=shards,
+        max_new_tokens=t,
+        views=bool(views),
     )
-    return {"decode": chunks * r.chunk_tokens, "admit": admits}
+    runs = {"decode": replay.chunks * r.chunk_tokens, "admit": replay.admits}
+    if not views:
+        return runs, None
+    view_cost = view_cost_model(full, views, local, t)
+    costs = [full if v is None else view_cost(*v) for v in replay.views]
+    mean = costs[0]
+    for c in costs[1:]:
+        mean = mean + c
+    return runs, mean.scale(1 / len(costs))
+
+
+def view_cost_model(
+    full: ProgramCost, views: Mapping[tuple[int, int], ProgramCost], local: int, width: int
+) -> Callable[[int, int], ProgramCost]:
+    """``(rows, width) -> cost`` of a decode view, ``a + b r + c r w`` fitted on ``full``
+    (``local`` rows, ``width``) and the corner views (fewest rows at full width, narrowest
+    width at all rows; a missing corner leaves that term out); clamped at 0."""
+    rows_corner = min((v for v in views if v[1] == width), default=None)
+    width_corner = min((v for v in views if v[0] == local), default=None)
+    zero = full.scale(0.0)
+    c = zero
+    if width_corner is not None:  # full - cost(local, w0) = c local (W - w0)
+        w0 = width_corner[1]
+        c = (full + views[width_corner].scale(-1.0)).scale(1 / (local * (width - w0)))
+    b = zero
+    if rows_corner is not None:  # full - cost(r0, W) = (local - r0) (b + c W)
+        r0 = rows_corner[0]
+        per_row = (full + views[rows_corner].scale(-1.0)).scale(1 / (local - r0))
+        b = per_row + c.scale(-width)
+    a = full + b.scale(-local) + c.scale(-local * width)
+
+    def cost(r: int, w: int) -> ProgramCost:
+        out = a + b.scale(r) + c.scale(r * w)
+        return ProgramCost(
+            max(out.flops, 0.0),
+            max(out.bytes_accessed, 0.0),
+            tuple((g, max(x, 0.0)) for g, x in out.collectives),
+            full.devices,
+        )
+
+    return cost
 
 
 def _groups(cfg: RunConfig, devices: int) -> tuple[dict[str, int], bool]:
@@ -336,11 +403,14 @@ def estimate(
     spans["sync"] = groups.get("sampler", max(groups.values()))
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
-    engine_runs = _engine_runs(cfg, lengths)
+    engine = _engine_runs(cfg, lengths, programs)
     for phase, name, runs, cost, peak in programs:
-        if engine_runs is not None and phase == "generate" and name in engine_runs:
-            runs = engine_runs[name]
-        one = roofline_seconds(cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
+        priced_cost = cost
+        if engine is not None and phase == "generate" and name in engine[0]:
+            runs = engine[0][name]
+            if name == "decode" and engine[1] is not None:  # the views' mean step
+                priced_cost = engine[1]
+        one = roofline_seconds(priced_cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
         # The reference's forward on the sampler's group (placement.reference: sampler) is
         # a scoring forward in the sampler's time: scoring's efficiency, generate's devices.
         like = "score" if (phase, name) == ("generate", "reference") else phase

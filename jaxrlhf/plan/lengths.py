@@ -29,7 +29,16 @@ import statistics
 import numpy as np
 from jaxtyping import Int
 
-__all__ = ["BUDGET", "LengthModel", "engine_chunks", "parse_lengths"]
+from jaxrlhf.generation.engine import view_buckets
+
+__all__ = [
+    "BUDGET",
+    "EngineReplay",
+    "LengthModel",
+    "engine_chunks",
+    "engine_replay",
+    "parse_lengths",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,27 +99,75 @@ def parse_lengths(spec: str) -> LengthModel:
     )
 
 
-def engine_chunks(
-    lengths: Int[np.ndarray, " rows"], slots: int, chunk: int, n: int
-) -> tuple[int, int]:
-    """The rollout engine's decode chunks and admission calls for one call whose rows (prompt
-    ``g``'s samples at ``g * n ... g * n + n - 1``) generate ``lengths`` tokens each, on
-    ``slots`` slots decoding ``chunk`` steps per chunk.
+@dataclasses.dataclass(frozen=True)
+class EngineReplay:
+    """What one engine call does on given lengths (:func:`engine_replay`).
+
+    Attributes:
+      chunks: decode chunks run.
+      admits: admission calls.
+      views: per chunk, the ``(slots per shard, generated width)`` view it decodes on (the
+        engine's ``_view`` rule: the smallest compiled bucket holding the running slots,
+        assumed spread evenly over the shards, and the columns they reach in the chunk), or
+        None for the whole state.
+    """
+
+    chunks: int
+    admits: int
+    views: tuple[tuple[int, int] | None, ...]
+
+
+def engine_replay(
+    lengths: Int[np.ndarray, " rows"],
+    slots: int,
+    chunk: int,
+    n: int,
+    *,
+    shards: int = 1,
+    max_new_tokens: int | None = None,
+    views: bool = True,
+) -> EngineReplay:
+    """Replays the rollout engine on one call whose rows (prompt ``g``'s samples at
+    ``g * n ... g * n + n - 1``) generate ``lengths`` tokens each, on ``slots`` slots over
+    ``shards`` data shards decoding ``chunk`` steps per chunk; ``max_new_tokens`` (default:
+    the longest length) is the cache's generated width.
 
     A sample decodes ``length`` steps (its admission's prefill only fills the cache); one
     that ends within a chunk frees its slot after that chunk.
     """
-    if len(lengths) % n or slots < n:
-        raise ValueError(f"engine_chunks: {len(lengths)} rows in groups of {n}, {slots} slots")
+    if len(lengths) % n or slots < n or slots % shards:
+        raise ValueError(
+            f"engine_replay: {len(lengths)} rows in groups of {n}, {slots} slots over "
+            f"{shards} shard(s)"
+        )
+    width = int(max_new_tokens or max(lengths))
+    local = slots // shards
+    row_buckets, width_buckets = view_buckets(local, chunk, width)
     queue = list(np.asarray(lengths).reshape(-1, n))
-    running: list[int] = []  # steps each running sample has left to decode
+    running: list[list[int]] = []  # [steps left, steps done] of each running sample
     chunks = admits = 0
+    picked: list[tuple[int, int] | None] = []
     while queue or running:
         groups = min((slots - len(running)) // n, len(queue))
         if groups:
             admits += 1
             for _ in range(groups):
-                running += [int(x) for x in queue.pop(0)]
+                running += [[int(x), 0] for x in queue.pop(0)]
+        need = -(-len(running) // shards)
+        reach = max(done for _, done in running) + chunk
+        rows = min(b for b in row_buckets if b >= need)
+        cols = min((b for b in width_buckets if b >= reach), default=width)
+        full = not views or (rows == local and cols == width)
+        picked.append(None if full else (rows, cols))
         chunks += 1
-        running = [r - chunk for r in running if r - chunk > 0]
-    return chunks, admits
+        running = [[left - chunk, done + chunk] for left, done in running if left > chunk]
+    return EngineReplay(chunks, admits, tuple(picked))
+
+
+def engine_chunks(
+    lengths: Int[np.ndarray, " rows"], slots: int, chunk: int, n: int
+) -> tuple[int, int]:
+    """The rollout engine's decode chunks and admission calls for one call on ``lengths``
+    (:func:`engine_replay`)."""
+    replay = engine_replay(lengths, slots, chunk, n)
+    return replay.chunks, replay.admits

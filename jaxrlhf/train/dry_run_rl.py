@@ -188,6 +188,9 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
     )
 
 
+VIEW_PREFIX = "decode view "  # + "{slots per shard}x{generated width}"
+
+
 def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     """The rollout engine's admission and decode-chunk programs on its slot state; a note
     gives the slots' KV cache per device."""
@@ -218,15 +221,27 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     rows, widths = engine.view_buckets(t)
     views = [(rows[-1], w) for w in widths[:-1]] + [(r, t) for r in rows[:-1]]
     views = views if engine.views else []
-    if views:  # the largest view's copy of the cache is the peak
-        local, width = max(views, key=lambda v: v[0] * v[1])
-        view = engine.view_chunk_program(programs.sampling.static(), p_len, local, width)
-        ids_sharding = sharding.done if sharding is not None else None
-        ids = sds((local * engine.slot_shards,), jnp.int32, ids_sharding)
-        view_args = (gen_params, state, arrays, ids)
-        pl.compile(  # runs only on a ragged tail (no full-length wave needs it)
-            "generate", "decode view", view, view_args, live=live, passed=passed, runs=0
-        )
+    if views:
+        # The largest view's copy of the cache is the peak; the views with the fewest rows
+        # (at full width) and the narrowest width (at all rows) give the planner a view's
+        # cost as affine in its rows and, per row, in its width (jaxrlhf.plan.estimate).
+        largest = max(views, key=lambda v: v[0] * v[1])
+        local = rows[-1]
+        corners = [largest] + [v for v in ((rows[0], t), (local, widths[0])) if v in views]
+        for view_rows, width in dict.fromkeys(corners):  # in order, without repeats
+            view = engine.view_chunk_program(programs.sampling.static(), p_len, view_rows, width)
+            ids_sharding = sharding.done if sharding is not None else None
+            ids = sds((view_rows * engine.slot_shards,), jnp.int32, ids_sharding)
+            view_args = (gen_params, state, arrays, ids)
+            pl.compile(  # runs only on a ragged tail (no full-length wave needs it)
+                "generate",
+                f"{VIEW_PREFIX}{view_rows}x{width}",
+                view,
+                view_args,
+                live=live,
+                passed=passed,
+                runs=0,
+            )
     per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
     size = (
         f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"

@@ -12,7 +12,7 @@ from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.plan.lengths import LengthModel, engine_chunks, parse_lengths
+from jaxrlhf.plan.lengths import LengthModel, engine_chunks, engine_replay, parse_lengths
 
 
 def test_engine_chunks_by_hand():
@@ -45,6 +45,43 @@ def test_engine_chunks_equal_the_engines_own_count(slots, chunk):
     )
     np.testing.assert_array_equal(out.finished.lengths, lengths)
     assert engine_chunks(lengths, slots, chunk, n)[0] == out.chunks
+
+
+def test_engine_replay_picks_the_engines_views(monkeypatch):
+    """The replay's view per chunk (rows bucket, width bucket; None: the whole state) equals
+    the views the engine compiled its chunks for, in order: 16 slots, 4 steps per chunk, a
+    32-token budget (widths 16 and 32), lengths with a long tail."""
+    cfg = ModelConfig.tiny()
+    params = M.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(2)
+    prompts, n, budget, slots, chunk = 12, 2, 32, 16, 4
+    tokens = rng.integers(60, cfg.vocab_size, (prompts, 8)).astype(np.int32)
+    lengths = np.minimum(rng.geometric(0.12, prompts * n), budget)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=budget, n=n, pad_token_id=0)
+    engine = Engine(Sampler(cfg), slots=slots, chunk=chunk)
+    used = []
+    real_view, real_chunk = engine.view_chunk_program, engine.chunk_program
+
+    def view_program(statics, prompt_len, rows, width):
+        fn = real_view(statics, prompt_len, rows, width)
+        return lambda *a: (used.append((rows, width)), fn(*a))[1]
+
+    def chunk_program(statics, prompt_len):
+        fn = real_chunk(statics, prompt_len)
+        return lambda *a: (used.append(None), fn(*a))[1]
+
+    monkeypatch.setattr(engine, "view_chunk_program", view_program)
+    monkeypatch.setattr(engine, "chunk_program", chunk_program)
+    engine.generate(
+        params,
+        tokens,
+        np.ones_like(tokens, bool),
+        jax.random.key(2),
+        sampling,
+        max_new_tokens=lengths,
+    )
+    replay = engine_replay(lengths, slots, chunk, n, max_new_tokens=budget)
+    assert list(replay.views) == used and any(v is not None for v in used)
 
 
 def test_lognormal_quantiles():
