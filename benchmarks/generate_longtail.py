@@ -97,7 +97,9 @@ class Jaxrlhf:
 class Transformers:
     """transformers ``generate`` on the same weights, EOS forced at each row's length."""
 
-    def __init__(self, cfg: ModelConfig, lengths: np.ndarray):
+    def __init__(self, cfg: ModelConfig, lengths: np.ndarray, model=None):
+        """``model``: a transformers CausalLM to run (on its device and dtype); None builds
+        one on the CPU holding jaxrlhf's seed-0 weights."""
         import torch
         from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -105,13 +107,15 @@ class Transformers:
 
         torch.manual_seed(0)
         self.torch = torch
-        self.model = hf_causal_lm(cfg, model_lib.init_params(cfg, jax.random.key(0)))
+        if model is None:
+            model = hf_causal_lm(cfg, model_lib.init_params(cfg, jax.random.key(0)))
+        self.model = model
         self.eos = cfg.vocab_size - 1
         self.model.generation_config.eos_token_id = self.eos
         self.model.generation_config.pad_token_id = 0
         tokens, _ = prompts(cfg.vocab_size)
-        self.inputs = torch.as_tensor(tokens, dtype=torch.long)
-        stop_at = torch.as_tensor(lengths, dtype=torch.long)
+        self.inputs = torch.as_tensor(tokens, dtype=torch.long, device=model.device)
+        stop_at = torch.as_tensor(lengths, dtype=torch.long, device=model.device)
         eos, start = self.eos, PROMPT_LEN
 
         class ForceEos(LogitsProcessor):
@@ -138,6 +142,8 @@ class Transformers:
                 num_return_sequences=SAMPLES,
                 logits_processor=self.processors,
             )
+        if self.model.device.type == "cuda":
+            self.torch.cuda.synchronize()
         return time.perf_counter() - start
 
 

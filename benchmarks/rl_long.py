@@ -50,8 +50,16 @@ ENGINES = {
 }
 
 
-def _trainer(model: str, engine: str, placement: str, out: str, pack_buckets: int):
-    rl_step._config("R1", rl_step.MODELS[model], None, out, placement)  # writes R1.yaml
+def _trainer(
+    model: str,
+    engine: str,
+    placement: str,
+    out: str,
+    pack_buckets: int,
+    model_fields: dict | None = None,
+):
+    preset = rl_step.MODELS.get(model, model)
+    rl_step._config("R1", preset, None, out, placement, model_fields)  # writes R1.yaml
     path = os.path.join(out, "R1.yaml")
     overrides = [
         f"grpo.rollout.max_new_tokens={CAP}",

@@ -93,7 +93,16 @@ class RandomPrompts:
         return {"tokens": tokens, "mask": np.ones_like(tokens, bool), "index": index}
 
 
-def _config(workload: str, preset: str, rm_dir: str | None, out: str, placement: str = "all"):
+def _config(
+    workload: str,
+    preset: str,
+    rm_dir: str | None,
+    out: str,
+    placement: str = "all",
+    model: dict | None = None,
+):
+    """The workload's run config, written to ``out/{workload}.yaml`` and loaded; ``model``
+    adds fields to its model section (e.g. ``{"dtype": "bfloat16"}`` on an accelerator)."""
     algo = "grpo" if workload == "R1" else "ppo"
     section = {
         "rollout": {
@@ -117,7 +126,7 @@ def _config(workload: str, preset: str, rm_dir: str | None, out: str, placement:
     raw = {
         "algorithm": algo,
         "output_dir": out,
-        "model": {"preset": preset},
+        "model": {"preset": preset, **(model or {})},
         "data": {
             "train": "builtin:sort",
             "max_length": PROMPT_LEN + NEW_TOKENS,
@@ -138,9 +147,17 @@ def _config(workload: str, preset: str, rm_dir: str | None, out: str, placement:
 
 
 def run(
-    workload: str, model: str, steps: int, tmp: str, pytorch: bool, placement: str = "all"
+    workload: str,
+    model: str,
+    steps: int,
+    tmp: str,
+    pytorch: bool,
+    placement: str = "all",
+    model_fields: dict | None = None,
 ) -> dict[str, float]:
-    preset = MODELS[model]
+    """One workload's timed iterations; ``model`` is a name of :data:`MODELS` or a
+    ``ModelConfig`` preset, ``model_fields`` extra model-section fields (dtypes)."""
+    preset = MODELS.get(model, model)
     rm_dir = None
     if workload == "R2":
         rm_dir = os.path.join(tmp, f"rm_{preset}")
@@ -149,7 +166,7 @@ def run(
             save_hf(
                 rm_dir, cfg, model_lib.init_params(cfg, jax.random.key(1), "scalar"), head="scalar"
             )
-    trainer = build_rl_trainer(_config(workload, preset, rm_dir, tmp, placement))
+    trainer = build_rl_trainer(_config(workload, preset, rm_dir, tmp, placement, model_fields))
     trainer.prompts = RandomPrompts(trainer.model_cfg.vocab_size)
     trainer.task_fn = None  # the built-in task reward does not apply to random prompts
     start = time.perf_counter()
