@@ -40,6 +40,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxrlhf.config import ConfigError, RunConfig
 from jaxrlhf.plan.hardware import Cluster
 from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_replay
@@ -263,10 +265,8 @@ def _engine_runs(
     on (None: every chunk costs the whole state's). None without the engine (the static
     sampler's steps do not depend on the lengths).
 
-    A view's cost is affine in its slots per shard ``r`` and, per slot, in its generated
-    width ``w`` (weights are read once whatever the rows; each row's compute and cache reads
-    grow with the columns it reaches): ``a + b r + c r w``, fitted on the whole state and
-    the two views the dry run compiles at the fewest rows and at the narrowest width."""
+    A step on a view is priced by :func:`view_cost_model` from the whole state's chunk and
+    the views the dry run compiles."""
     from jaxrlhf.config import rl_section
     from jaxrlhf.train.dry_run_rl import VIEW_PREFIX
 
@@ -297,7 +297,12 @@ def _engine_runs(
     runs = {"decode": replay.chunks * r.chunk_tokens, "admit": replay.admits}
     if not views:
         return runs, None
-    view_cost = view_cost_model(full, views, local, t)
+    model = cfg.model.resolve()
+    per_position = 2 * model.num_layers * model.kv_heads * model.dim_per_head
+    kv_bytes = per_position * model.compute_dtype.itemsize  # one slot's K and V at a position
+    view_cost = view_cost_model(
+        full, views, local, t, cfg.data.max_prompt_length, r.chunk_tokens, kv_bytes
+    )
     costs = [full if v is None else view_cost(*v) for v in replay.views]
     mean = costs[0]
     for c in costs[1:]:
@@ -306,31 +311,67 @@ def _engine_runs(
 
 
 def view_cost_model(
-    full: ProgramCost, views: Mapping[tuple[int, int], ProgramCost], local: int, width: int
+    full: ProgramCost,
+    views: Mapping[tuple[int, int], ProgramCost],
+    local: int,
+    width: int,
+    prompt_len: int,
+    chunk: int,
+    kv_bytes: float,
 ) -> Callable[[int, int], ProgramCost]:
-    """``(rows, width) -> cost`` of a decode view, ``a + b r + c r w`` fitted on ``full``
-    (``local`` rows, ``width``) and the corner views (fewest rows at full width, narrowest
-    width at all rows; a missing corner leaves that term out); clamped at 0."""
-    rows_corner = min((v for v in views if v[1] == width), default=None)
-    width_corner = min((v for v in views if v[0] == local), default=None)
-    zero = full.scale(0.0)
-    c = zero
-    if width_corner is not None:  # full - cost(local, w0) = c local (W - w0)
-        w0 = width_corner[1]
-        c = (full + views[width_corner].scale(-1.0)).scale(1 / (local * (width - w0)))
-    b = zero
-    if rows_corner is not None:  # full - cost(r0, W) = (local - r0) (b + c W)
-        r0 = rows_corner[0]
-        per_row = (full + views[rows_corner].scale(-1.0)).scale(1 / (local - r0))
-        b = per_row + c.scale(-width)
-    a = full + b.scale(-local) + c.scale(-local * width)
+    """``(rows, width) -> cost`` of one decode step of a chunk on a view of ``rows`` slots
+    per shard whose generated cache is cut to ``width`` columns.
+
+    XLA's cost analysis counts a loop's body once, so a compiled chunk program costs one
+    step plus what it does once per chunk. The whole-state chunk (``full``: ``local`` slots,
+    ``width`` = max_new_tokens) is one step, ``body(local, width)``; a view's program also
+    moves its slots' ``[prompt | width]`` cache regions (``kv_bytes`` per slot and position)
+    out of the state and back, read and written each way, and passes the state through,
+    once per chunk::
+
+        body(r, w) = a + b r + c r w                  weights once; each slot's work
+        copy(r, w) = K + 4 kv_bytes r (prompt_len + w) bytes only (no FLOPs, no collectives)
+
+    ``a, b, c, K`` per field (FLOPs, bytes, collective bytes) by least squares on ``full``
+    and the compiled ``views`` after taking the regions' bytes out (exact with the four the
+    dry run compiles: the largest, the fewest rows, the narrowest width, and the whole state
+    taken as a view; with fewer, the last of ``a, c, b, K`` are left out). The regions'
+    bytes are not fitted: within a view they grow with ``r`` and ``r w`` as the body does,
+    so no set of views tells them apart. A step on a view costs ``body + copy / chunk``;
+    clamped at 0.
+    """
+    points = [((local, width), full, False)] + [(v, c, True) for v, c in views.items()]
+    terms = min(len(points), 4)
+
+    def features(r: int, w: int, view: bool) -> list[float]:
+        return [1.0, r * w, r, float(view)][:terms]  # a, c, b, K: left out from the end
+
+    def regions(r: int, w: int) -> float:
+        return 4.0 * kv_bytes * r * (prompt_len + w)
+
+    groups = sorted({g for _, c, _ in points for g, _ in c.collectives})
+
+    def fields(c: ProgramCost) -> list[float]:
+        per_group = dict(c.collectives)
+        return [c.flops, c.bytes_accessed] + [per_group.get(g, 0.0) for g in groups]
+
+    design = np.array([features(*v, view) for v, _, view in points])
+    targets = np.array([fields(c) for _, c, _ in points])  # [points, fields]
+    for i, (v, _, view) in enumerate(points):
+        targets[i, 1] -= regions(*v) if view else 0.0
+    coef = np.linalg.lstsq(design, targets, rcond=None)[0]  # [terms, fields]
 
     def cost(r: int, w: int) -> ProgramCost:
-        out = a + b.scale(r) + c.scale(r * w)
+        f = features(r, w, True)
+        if terms == 4:
+            f[3] /= chunk  # the state passed through, once per chunk
+        out = np.array(f) @ coef
+        out[1] += regions(r, w) / chunk
+        out = np.maximum(out, 0.0)
         return ProgramCost(
-            max(out.flops, 0.0),
-            max(out.bytes_accessed, 0.0),
-            tuple((g, max(x, 0.0)) for g, x in out.collectives),
+            float(out[0]),
+            float(out[1]),
+            tuple((g, float(x)) for g, x in zip(groups, out[2:], strict=True)),
             full.devices,
         )
 

@@ -223,11 +223,13 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     views = views if engine.views else []
     if views:
         # The largest view's copy of the cache is the peak; the views with the fewest rows
-        # (at full width) and the narrowest width (at all rows) give the planner a view's
-        # cost as affine in its rows and, per row, in its width (jaxrlhf.plan.estimate).
+        # (at full width) and the narrowest width (at all rows), and the whole state taken
+        # as a view (what a view's copies add per chunk), give the planner a step's cost
+        # on any view (jaxrlhf.plan.estimate.view_cost_model).
         largest = max(views, key=lambda v: v[0] * v[1])
         local = rows[-1]
         corners = [largest] + [v for v in ((rows[0], t), (local, widths[0])) if v in views]
+        corners.append((local, t))
         for view_rows, width in dict.fromkeys(corners):  # in order, without repeats
             view = engine.view_chunk_program(programs.sampling.static(), p_len, view_rows, width)
             ids_sharding = sharding.done if sharding is not None else None

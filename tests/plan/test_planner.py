@@ -157,19 +157,33 @@ def test_runs_per_iteration_follow_the_config():
     assert runs[("train", "update")] == 4  # epochs x minibatches
 
 
-def test_view_costs_are_affine_in_rows_and_per_row_in_width():
-    """A decode view's cost ``a + b r + c r w`` recovered from the whole state (8 slots,
-    width 16) and the two corner views, here with a = 10, b = 2, c = 0.5 in every field: a
-    4 x 8 view costs 10 + 8 + 16 = 34 (by hand)."""
+def test_view_step_costs_separate_the_body_from_the_views_copies():
+    """A chunk program's cost is one decode step (XLA counts a loop's body once) plus, for a
+    view, what it moves once per chunk. Programs built here from body ``10 + 2 r + 0.5 r
+    w`` in every field plus, in bytes only, ``40 + 4 * 3 r (P + w)`` for views (3 KV bytes
+    per slot and position, P = 4): the whole state (8 slots, width 16) and four views (the
+    whole state's own shape among them). A step on a 4 x 8 view costs its body, 10 + 8 +
+    16 = 34, and in bytes also the copies over a chunk of 6 steps, (40 + 12 * 4 * 12) / 6
+    = 102.67 (by hand)."""
 
-    def cost(r, w):
-        v = 10 + 2 * r + 0.5 * r * w
-        return ProgramCost(v, 3 * v, ((2, v),), 2)
+    def program(r, w, view=True):
+        body = 10 + 2 * r + 0.5 * r * w
+        return ProgramCost(body, body + (40 + 12 * r * (4 + w) if view else 0), ((2, body),), 2)
 
-    model = estimate.view_cost_model(cost(8, 16), {(1, 16): cost(1, 16), (8, 4): cost(8, 4)}, 8, 16)
+    views = {v: program(*v) for v in ((8, 8), (1, 16), (8, 4), (8, 16))}
+    model = estimate.view_cost_model(program(8, 16, view=False), views, 8, 16, 4, 6, 3)
     got = model(4, 8)
-    assert (got.flops, got.bytes_accessed, got.collectives[0][1]) == pytest.approx((34, 102, 34))
+    assert (got.flops, got.bytes_accessed, got.collectives[0][1]) == pytest.approx(
+        (34, 34 + (40 + 12 * 4 * 12) / 6, 34)
+    )
     assert got.collectives[0][0] == got.devices == 2
+    # With three points the pass-through term is left out: exact where a view has none.
+    plain = {(1, 16): program(1, 16), (8, 4): program(8, 4)}
+    plain = {
+        v: ProgramCost(c.flops, c.bytes_accessed - 40, c.collectives, 2) for v, c in plain.items()
+    }
+    three = estimate.view_cost_model(program(8, 16, view=False), plain, 8, 16, 4, 6, 3)
+    assert three(4, 8).bytes_accessed == pytest.approx(34 + 12 * 4 * 12 / 6)
 
 
 def test_plans_of_an_interleaved_run_are_valid_runs():

@@ -126,7 +126,8 @@ def test_dry_run_plans_the_engine(tmp_path):
     cfg, src = _config(tmp_path, "grpo", *ENGINE)
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
     names = [p.name for p in report.programs]
-    assert names == ["admit", "decode", "decode view 4x6", "decode view 1x6", "score", "update"]
+    views = ["decode view 4x6", "decode view 1x6", "decode view 8x6"]  # largest, corners
+    assert names == ["admit", "decode", *views, "score", "update"]
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
     assert "up to 3 smaller decode views" in note  # 4, 2 or 1 of the 8 slots
