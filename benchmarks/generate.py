@@ -168,11 +168,14 @@ def run_jax(sampler, params, tokens, mask, sp, key) -> tuple[float, float, float
     _, out = sampler.decode(params, state, sp)
     jax.block_until_ready(out)
     t2 = time.perf_counter()
-    assert out.tokens.shape == (BATCH, NEW) and bool(out.response_mask.all())
+    assert out.tokens.shape == (tokens.shape[0], sp.max_new_tokens)
+    assert bool(out.response_mask.all())
     return t2 - t0, t1 - t0, t2 - t1
 
 
-def run_hf(model, tokens_t, mask_t, seed: int) -> float:
+def run_hf(model, tokens_t, mask_t, seed: int, new: int = NEW) -> float:
+    """Wall seconds of one transformers ``generate`` call of ``new`` tokens per row (on the
+    model's device; a GPU is synchronised before the clock stops)."""
     import torch
 
     torch.manual_seed(seed)
@@ -185,14 +188,16 @@ def run_hf(model, tokens_t, mask_t, seed: int) -> float:
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
+            max_new_tokens=new,
+            min_new_tokens=new,
             use_cache=True,
             eos_token_id=None,
             pad_token_id=0,
         )
+    if out.device.type == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
-    assert out.shape == (BATCH, PROMPT + NEW)
+    assert out.shape == (tokens_t.shape[0], tokens_t.shape[1] + new)
     return elapsed
 
 

@@ -102,13 +102,6 @@ def torch_device() -> str:
     return "cuda" if ARGS.platform == "cuda" else "cpu"
 
 
-def sync() -> None:
-    if ARGS.platform == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def model_config(name: str, **fields) -> ModelConfig:
     preset = {"bench-s": "bench_s", "bench-m": "bench_m"}.get(name, name)
     cfg = getattr(ModelConfig, preset)(**fields)
@@ -292,37 +285,14 @@ def part_g1(out: Path, name: str) -> None:
     tj, mj = jnp.asarray(tokens), jnp.asarray(mask)
 
     def ours(seed: int) -> tuple[float, float, float]:
-        t0 = time.perf_counter()
-        state = sampler.prefill(params, tj, mj, jax.random.key(seed), sp)
-        jax.block_until_ready(state)
-        t1 = time.perf_counter()
-        _, o = sampler.decode(params, state, sp)
-        jax.block_until_ready(o)
-        t2 = time.perf_counter()
-        return t2 - t0, t1 - t0, t2 - t1
+        return g1.run_jax(sampler, params, tj, mj, sp, jax.random.key(seed))
 
     first = _timed(lambda: ours(0))
     model = hf_model(cfg)
     inputs = torch.as_tensor(tokens, dtype=torch.long, device=model.device)
 
     def theirs(seed: int) -> float:
-        torch.manual_seed(seed)
-        t = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                input_ids=inputs,
-                attention_mask=torch.ones_like(inputs),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        sync()
-        return time.perf_counter() - t
+        return g1.run_hf(model, inputs, torch.ones_like(inputs), seed, new=new)
 
     theirs(0)
     ours_runs, hf_runs = [], []
@@ -363,14 +333,7 @@ def part_g2(out: Path, name: str) -> None:
         "engine": lambda: ours.engine_call(lengths),
         "static scan": lambda: ours.static_call("scan"),
     }
-    hf = g2.Transformers(cfg, lengths, model=hf_model(cfg))
-
-    def hf_call() -> float:
-        seconds = hf.call()
-        sync()
-        return seconds
-
-    runners["transformers"] = hf_call
+    runners["transformers"] = g2.Transformers(cfg, lengths, model=hf_model(cfg)).call
     times: dict[str, list[float]] = {k: [] for k in runners}
     for fn in runners.values():
         fn()
