@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -229,9 +229,10 @@ def _affine(a: float, b: float, at: int, step: int, depth: int) -> float:
     return a + (depth - at) * (b - a) / step
 
 
-def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
+def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any, Any]:
     """The dry run's programs at the model's depth: ``[(phase, name, runs, cost, peak)]``,
-    the weight-sync bytes and a report (for its source).
+    the weight-sync bytes, a report (for its source) and the rollout engine's
+    :class:`~jaxrlhf.train.dry_run.EngineLayout` (None without the engine).
 
     A model of at most :data:`FULL_DEPTH_LAYERS` layers compiles as it is. A deeper one runs
     its layers as a scan, whose body XLA's cost analysis counts once: its costs come from
@@ -245,7 +246,7 @@ def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
     if depth <= FULL_DEPTH_LAYERS:  # shallow enough to compile as it is
         report = dry_run.plan(cfg, source=source)
         programs = [(p.phase, p.name, p.runs, p.cost, p.peak_bytes) for p in report.programs]
-        return programs, _sync_bytes(report), report
+        return programs, _sync_bytes(report), report, report.engine_layout
     one, two = (dry_run.plan(with_layers(cfg, k, "unroll"), source=source) for k in (1, 2))
     low, high = (dry_run.plan(with_layers(cfg, k, "scan"), source=source) for k in (2, 4))
     programs = []
@@ -253,17 +254,21 @@ def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any]:
         peak = _affine(m2.peak_bytes, m4.peak_bytes, 2, 2, depth)
         programs.append((a.phase, a.name, a.runs, a.cost.extrapolate(b.cost, depth), int(peak)))
     sync = _affine(_sync_bytes(low), _sync_bytes(high), 2, 2, depth)
-    return programs, int(sync), one
+    layout = one.engine_layout
+    if layout is not None:  # the KV bytes per slot and position grow with the layers
+        kv = _affine(layout.kv_bytes, two.engine_layout.kv_bytes, 1, 1, depth)
+        layout = dataclasses.replace(layout, kv_bytes=kv)
+    return programs, int(sync), one, layout
 
 
 def _engine_runs(
-    cfg: RunConfig, lengths: LengthModel, programs: Sequence[tuple]
+    cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan
 ) -> tuple[dict[str, int], ProgramCost | None] | None:
     """The rollout engine's ``decode`` steps and ``admit`` calls per iteration with response
     lengths from ``lengths`` (:func:`~jaxrlhf.plan.lengths.engine_replay` on the rows it
-    starts), and the decode step's mean cost over those chunks, each on the view it decodes
-    on (None: every chunk costs the whole state's). None without the engine (the static
-    sampler's steps do not depend on the lengths).
+    starts, ending with the groups it keeps), and the decode step's mean cost over those
+    chunks, each on the view it decodes on (None: every chunk costs the whole state's).
+    None without the engine (the static sampler's steps do not depend on the lengths).
 
     A step on a view is priced by :func:`view_cost_model` from the whole state's chunk and
     the views the dry run compiles."""
@@ -271,10 +276,11 @@ def _engine_runs(
     from jaxrlhf.train.dry_run_rl import VIEW_PREFIX
 
     r = rl_section(cfg).rollout
-    if r.engine != "continuous":
+    layout = compiled.engine_layout
+    if r.engine != "continuous" or layout is None:
         return None
     rows = r.started_prompts * r.num_samples
-    slots = r.slots or rows
+    programs = compiled.programs
     full = next(c for ph, name, _, c, _ in programs if (ph, name) == ("generate", "decode"))
     views = {
         tuple(int(x) for x in name[len(VIEW_PREFIX) :].split("x")): c
@@ -282,26 +288,27 @@ def _engine_runs(
         if ph == "generate" and name.startswith(VIEW_PREFIX)
     }
     t = r.max_new_tokens
-    narrow = [v for v in views if v[1] < t]
-    local = max(v[0] for v in narrow) if narrow else 2 * max((v[0] for v in views), default=0)
-    shards = slots // local if views and slots % local == 0 else 1
     replay = engine_replay(
         lengths.lengths(rows, t),
-        slots,
+        layout.local_slots * layout.shards,
         r.chunk_tokens,
         r.num_samples,
-        shards=shards,
+        shards=layout.shards,
         max_new_tokens=t,
         views=bool(views),
+        keep_groups=r.prompts_per_step,
     )
     runs = {"decode": replay.chunks * r.chunk_tokens, "admit": replay.admits}
     if not views:
         return runs, None
-    model = cfg.model.resolve()
-    per_position = 2 * model.num_layers * model.kv_heads * model.dim_per_head
-    kv_bytes = per_position * model.compute_dtype.itemsize  # one slot's K and V at a position
     view_cost = view_cost_model(
-        full, views, local, t, cfg.data.max_prompt_length, r.chunk_tokens, kv_bytes
+        full,
+        views,
+        layout.local_slots,
+        t,
+        cfg.data.max_prompt_length,
+        r.chunk_tokens,
+        layout.kv_bytes,
     )
     costs = [full if v is None else view_cost(*v) for v in replay.views]
     mean = costs[0]
@@ -335,7 +342,7 @@ def view_cost_model(
     ``a, b, c, K`` per field (FLOPs, bytes, collective bytes) by least squares on ``full``
     and the compiled ``views`` after taking the regions' bytes out (exact with the four the
     dry run compiles: the largest, the fewest rows, the narrowest width, and the whole state
-    taken as a view; with fewer, the last of ``a, c, b, K`` are left out). The regions'
+    taken as a view; with fewer, the last of ``a, K, c, b`` are left out). The regions'
     bytes are not fitted: within a view they grow with ``r`` and ``r w`` as the body does,
     so no set of views tells them apart. A step on a view costs ``body + copy / chunk``;
     clamped at 0.
@@ -344,7 +351,7 @@ def view_cost_model(
     terms = min(len(points), 4)
 
     def features(r: int, w: int, view: bool) -> list[float]:
-        return [1.0, r * w, r, float(view)][:terms]  # a, c, b, K: left out from the end
+        return [1.0, float(view), r * w, r][:terms]  # a, K, c, b: left out from the end
 
     def regions(r: int, w: int) -> float:
         return 4.0 * kv_bytes * r * (prompt_len + w)
@@ -363,8 +370,8 @@ def view_cost_model(
 
     def cost(r: int, w: int) -> ProgramCost:
         f = features(r, w, True)
-        if terms == 4:
-            f[3] /= chunk  # the state passed through, once per chunk
+        if terms >= 2:
+            f[1] /= chunk  # the state passed through, once per chunk
         out = np.array(f) @ coef
         out[1] += regions(r, w) / chunk
         out = np.maximum(out, 0.0)
@@ -402,6 +409,7 @@ class CompiledPlan:
     programs: tuple[tuple[str, str, float, ProgramCost, int], ...]
     sync_bytes: int
     source: str
+    engine_layout: Any = None  # jaxrlhf.train.dry_run.EngineLayout with the rollout engine
 
 
 def compile_plan(cfg: RunConfig, source: str = "<plan>") -> CompiledPlan:
@@ -412,8 +420,8 @@ def compile_plan(cfg: RunConfig, source: str = "<plan>") -> CompiledPlan:
       ConfigError, MeshError, ShardingRuleError, DryRunError: the plan is not a valid run
         (:func:`invalid_plan_errors`).
     """
-    programs, sync, report = _compiled_programs(cfg, source)
-    return CompiledPlan(tuple(programs), sync, report.source)
+    programs, sync, report, layout = _compiled_programs(cfg, source)
+    return CompiledPlan(tuple(programs), sync, report.source, layout)
 
 
 def estimate(
@@ -444,7 +452,7 @@ def estimate(
     spans["sync"] = groups.get("sampler", max(groups.values()))
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
-    engine = _engine_runs(cfg, lengths, programs)
+    engine = _engine_runs(cfg, lengths, compiled)
     for phase, name, runs, cost, peak in programs:
         priced_cost = cost
         if engine is not None and phase == "generate" and name in engine[0]:

@@ -126,14 +126,18 @@ def engine_replay(
     shards: int = 1,
     max_new_tokens: int | None = None,
     views: bool = True,
+    keep_groups: int | None = None,
 ) -> EngineReplay:
     """Replays the rollout engine on one call whose rows (prompt ``g``'s samples at
     ``g * n ... g * n + n - 1``) generate ``lengths`` tokens each, on ``slots`` slots over
     ``shards`` data shards decoding ``chunk`` steps per chunk; ``max_new_tokens`` (default:
-    the longest length) is the cache's generated width.
+    the longest length) is the cache's generated width; ``keep_groups``: over-sampling, the
+    call ends once that many groups have finished (None: all).
 
-    A sample decodes ``length`` steps (its admission's prefill only fills the cache); one
-    that ends within a chunk frees its slot after that chunk.
+    As the engine does: a sample decodes ``length`` steps (its admission's prefill only
+    fills the cache); one that ends within a chunk frees its slot after that chunk; whole
+    groups are admitted into the lowest free slots (slot ``s`` on shard ``s // (slots /
+    shards)``), and a chunk's view holds the busiest shard's running slots.
     """
     if len(lengths) % n or slots < n or slots % shards:
         raise ValueError(
@@ -144,23 +148,37 @@ def engine_replay(
     local = slots // shards
     row_buckets, width_buckets = view_buckets(local, chunk, width)
     queue = list(np.asarray(lengths).reshape(-1, n))
-    running: list[list[int]] = []  # [steps left, steps done] of each running sample
-    chunks = admits = 0
+    keep = len(queue) if keep_groups is None else keep_groups
+    left = np.zeros(slots, np.int64)  # steps each slot's sample has left (0: free)
+    done = np.zeros(slots, np.int64)  # steps it has decoded
+    group = np.full(slots, -1)  # its group
+    started = finished = chunks = admits = 0
     picked: list[tuple[int, int] | None] = []
-    while queue or running:
-        groups = min((slots - len(running)) // n, len(queue))
+    while finished < keep and (queue or (left > 0).any()):
+        free = np.flatnonzero(left == 0)
+        groups = min(len(free) // n, len(queue))
         if groups:
             admits += 1
-            for _ in range(groups):
-                running += [[int(x), 0] for x in queue.pop(0)]
-        need = -(-len(running) // shards)
-        reach = max(done for _, done in running) + chunk
+            dest = free[: groups * n]
+            left[dest] = np.concatenate([queue.pop(0) for _ in range(groups)])
+            done[dest] = 0
+            group[dest] = np.repeat(np.arange(started, started + groups), n)
+            started += groups
+        running = left > 0
+        need = int(running.reshape(shards, local).sum(1).max())
+        reach = int(done[running].max()) + chunk
         rows = min(b for b in row_buckets if b >= need)
         cols = min((b for b in width_buckets if b >= reach), default=width)
         full = not views or (rows == local and cols == width)
         picked.append(None if full else (rows, cols))
         chunks += 1
-        running = [[left - chunk, done + chunk] for left, done in running if left > chunk]
+        ending = running & (left <= chunk)
+        left[running] = np.maximum(left[running] - chunk, 0)
+        done[running] += chunk
+        for g in np.unique(group[ending]):  # a group is finished when its last sample is
+            if not (left[group == g] > 0).any():
+                finished += 1
+                group[group == g] = -1
     return EngineReplay(chunks, admits, tuple(picked))
 
 

@@ -76,12 +76,13 @@ from jaxrlhf.sharding.placement import (
 )
 from jaxrlhf.train import dry_run_phases as phases
 from jaxrlhf.train import dry_run_rl
-from jaxrlhf.train.dry_run_phases import DryRunError, ProgramMemory, RoleMemory
+from jaxrlhf.train.dry_run_phases import DryRunError, EngineLayout, ProgramMemory, RoleMemory
 
 __all__ = [
     "DEVICE_KINDS",
     "DryRunError",
     "DryRunReport",
+    "EngineLayout",
     "ProgramMemory",
     "RoleMemory",
     "cli",
@@ -185,6 +186,7 @@ class DryRunReport:
     sync_bytes: tuple[int, int] | None = None  # LoRA policy: (adapter, full) sync per iteration
     critic_bytes: tuple[int, int] | None = None  # Hydra critic: (its, a separate one's) per device
     reshard_bytes: int = 0  # RL: bytes a sampler device receives when the policy moves to it
+    engine_layout: EngineLayout | None = None  # RL with the rollout engine: its slots
 
     @property
     def devices(self) -> int:
@@ -365,6 +367,7 @@ def plan(
         sync_bytes=planner.sync_bytes,
         critic_bytes=planner.critic_bytes,
         reshard_bytes=planner.reshard_bytes,
+        engine_layout=planner.engine_layout,
     )
 
 

@@ -86,6 +86,23 @@ class ProgramMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """The rollout engine's slots as the dry run planned them (the planner prices its
+    views from these).
+
+    Attributes:
+      local_slots: decode slots per data shard of the sampler's mesh.
+      shards: the data shards the slots are split over.
+      kv_bytes: KV-cache bytes one slot holds per cache position on one device (its K and
+        V over every layer, the heads this device keeps).
+    """
+
+    local_slots: int
+    shards: int
+    kv_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
 class RoleMemory:
     """One model of the run (bytes per device).
 
@@ -141,6 +158,7 @@ class Planner:
         self.sync_bytes: tuple[int, int] | None = None  # LoRA: (adapters, full) per iteration
         self.critic_bytes: tuple[int, int] | None = None  # Hydra: (its critic, a separate one)
         self.reshard_bytes = 0  # bytes a device receives moving the policy to the sampler
+        self.engine_layout: EngineLayout | None = None  # the rollout engine's slots, if any
         self.replicated = NamedSharding(mesh, P())
         self.key = jax.eval_shape(lambda: jax.random.key(0))
 

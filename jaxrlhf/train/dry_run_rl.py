@@ -21,7 +21,7 @@ from jaxrlhf.models.packing import RowPacking, bucket_sizes
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
 from jaxrlhf.sharding.reshard import bytes_received
-from jaxrlhf.train.dry_run_phases import Planner, RoleMemory, sds
+from jaxrlhf.train.dry_run_phases import EngineLayout, Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
 from jaxrlhf.train.rl_types import LearnerBatch
@@ -245,6 +245,11 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
                 runs=0,
             )
     per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
+    pl.engine_layout = EngineLayout(
+        local_slots=engine.slots // engine.slot_shards,
+        shards=engine.slot_shards,
+        kv_bytes=per_device / (engine.slots // engine.slot_shards) / (p_len + t),
+    )
     size = (
         f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"
     )

@@ -13,6 +13,7 @@ from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.plan.lengths import LengthModel, engine_chunks, engine_replay, parse_lengths
+from jaxrlhf.sharding import MeshConfig, make_mesh
 
 
 def test_engine_chunks_by_hand():
@@ -47,10 +48,15 @@ def test_engine_chunks_equal_the_engines_own_count(slots, chunk):
     assert engine_chunks(lengths, slots, chunk, n)[0] == out.chunks
 
 
-def test_engine_replay_picks_the_engines_views(monkeypatch):
+@pytest.mark.parametrize(
+    "shards, keep", [(1, None), (2, None), (1, 8)], ids=["one_shard", "two_shards", "keep_8"]
+)
+def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep):
     """The replay's view per chunk (rows bucket, width bucket; None: the whole state) equals
     the views the engine compiled its chunks for, in order: 16 slots, 4 steps per chunk, a
-    32-token budget (widths 16 and 32), lengths with a long tail."""
+    32-token budget (widths 16 and 32), lengths with a long tail; on one data shard, on two
+    (groups fill the lowest free slots, so the shards' loads differ), and with over-sampling
+    (the call ends when 8 of the 12 groups have finished)."""
     cfg = ModelConfig.tiny()
     params = M.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(2)
@@ -58,7 +64,13 @@ def test_engine_replay_picks_the_engines_views(monkeypatch):
     tokens = rng.integers(60, cfg.vocab_size, (prompts, 8)).astype(np.int32)
     lengths = np.minimum(rng.geometric(0.12, prompts * n), budget)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=budget, n=n, pad_token_id=0)
-    engine = Engine(Sampler(cfg), slots=slots, chunk=chunk)
+    two = jax.devices()[:shards]
+    mesh = make_mesh(MeshConfig(data=shards, fsdp=1, tensor=1), two) if shards > 1 else None
+    sampler = Sampler(cfg, mesh)
+    if mesh is not None:
+        params = sampler.to_generate_layout(params)[0]
+    engine = Engine(sampler, slots=slots, chunk=chunk)
+    assert engine.slot_shards == shards
     used = []
     real_view, real_chunk = engine.view_chunk_program, engine.chunk_program
 
@@ -79,8 +91,11 @@ def test_engine_replay_picks_the_engines_views(monkeypatch):
         jax.random.key(2),
         sampling,
         max_new_tokens=lengths,
+        keep_groups=keep,
     )
-    replay = engine_replay(lengths, slots, chunk, n, max_new_tokens=budget)
+    replay = engine_replay(
+        lengths, slots, chunk, n, shards=shards, max_new_tokens=budget, keep_groups=keep
+    )
     assert list(replay.views) == used and any(v is not None for v in used)
 
 
