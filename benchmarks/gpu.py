@@ -103,8 +103,7 @@ def torch_device() -> str:
 
 
 def model_config(name: str, **fields) -> ModelConfig:
-    preset = {"bench-s": "bench_s", "bench-m": "bench_m"}.get(name, name)
-    cfg = getattr(ModelConfig, preset)(**fields)
+    cfg = getattr(ModelConfig, rl_step.MODELS.get(name, name))(**fields)
     if ARGS.quick and name not in ("bench-s", "bench-m"):
         cfg = cfg.replace(num_layers=2)
     return cfg
@@ -132,7 +131,7 @@ def hf_model(cfg: ModelConfig, params=None):
 
 
 def weight_bytes(params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def peak_bytes() -> int | None:

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import rl_step  # noqa: E402
 from benchmarks.generate import cpu_model  # noqa: E402
 from benchmarks.generate_longtail import (  # noqa: E402
     CAP,
@@ -48,10 +49,9 @@ from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_chunks  # noqa: E40
 def planner_ratio(model: str, slots: int, chunk: int, lengths: LengthModel) -> float:
     """The planner's generate seconds of a GRPO iteration with G2's shapes on this engine
     (one CPU device) with ``lengths``, over the same with every sample at the budget."""
-    preset = {"bench-s": "bench_s", "bench-m": "bench_m"}[model]
     run = {
         "algorithm": "grpo",
-        "model": {"preset": preset, "max_position_embeddings": PROMPT_LEN + CAP},
+        "model": {"preset": rl_step.MODELS[model], "max_position_embeddings": PROMPT_LEN + CAP},
         "data": {"max_length": PROMPT_LEN + CAP, "max_prompt_length": PROMPT_LEN, "eval_size": 0},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
         "grpo": {

@@ -35,6 +35,7 @@ update's optimizer step is counted once per micro-batch (an overestimate when
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
@@ -273,20 +274,16 @@ def _engine_runs(
     A step on a view is priced by :func:`view_cost_model` from the whole state's chunk and
     the views the dry run compiles."""
     from jaxrlhf.config import rl_section
-    from jaxrlhf.train.dry_run_rl import VIEW_PREFIX
+    from jaxrlhf.train.dry_run_rl import view_program_name
 
     r = rl_section(cfg).rollout
     layout = compiled.engine_layout
     if r.engine != "continuous" or layout is None:
         return None
     rows = r.started_prompts * r.num_samples
-    programs = compiled.programs
-    full = next(c for ph, name, _, c, _ in programs if (ph, name) == ("generate", "decode"))
-    views = {
-        tuple(int(x) for x in name[len(VIEW_PREFIX) :].split("x")): c
-        for ph, name, _, c, _ in programs
-        if ph == "generate" and name.startswith(VIEW_PREFIX)
-    }
+    generate = {name: c for ph, name, _, c, _ in compiled.programs if ph == "generate"}
+    full = generate["decode"]
+    views = {v: generate[view_program_name(*v)] for v in layout.views}
     t = r.max_new_tokens
     replay = engine_replay(
         lengths.lengths(rows, t),
@@ -310,11 +307,10 @@ def _engine_runs(
         r.chunk_tokens,
         layout.kv_bytes,
     )
-    costs = [full if v is None else view_cost(*v) for v in replay.views]
-    mean = costs[0]
-    for c in costs[1:]:
-        mean = mean + c
-    return runs, mean.scale(1 / len(costs))
+    total = full.scale(0.0)
+    for view, count in collections.Counter(replay.views).items():
+        total = total + (full if view is None else view_cost(*view)).scale(count)
+    return runs, total.scale(1 / replay.chunks)
 
 
 def view_cost_model(

@@ -107,9 +107,8 @@ class EngineReplay:
       chunks: decode chunks run.
       admits: admission calls.
       views: per chunk, the ``(slots per shard, generated width)`` view it decodes on (the
-        engine's ``_view`` rule: the smallest compiled bucket holding the running slots,
-        assumed spread evenly over the shards, and the columns they reach in the chunk), or
-        None for the whole state.
+        engine's rule: the smallest bucket holding the busiest shard's running slots, and
+        the columns they reach in the chunk), or None for the whole state.
     """
 
     chunks: int

@@ -95,11 +95,14 @@ class EngineLayout:
       shards: the data shards the slots are split over.
       kv_bytes: KV-cache bytes one slot holds per cache position on one device (its K and
         V over every layer, the heads this device keeps).
+      views: the ``(slots per shard, generated width)`` views whose decode chunks were
+        compiled (``dry_run_rl.view_program_name``); empty with ``views=False``.
     """
 
     local_slots: int
     shards: int
     kv_bytes: float
+    views: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

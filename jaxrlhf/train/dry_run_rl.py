@@ -188,7 +188,10 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
     )
 
 
-VIEW_PREFIX = "decode view "  # + "{slots per shard}x{generated width}"
+def view_program_name(rows: int, width: int) -> str:
+    """The dry run's name for the engine's decode chunk on a view of ``rows`` slots per
+    shard and ``width`` generated cache columns."""
+    return f"decode view {rows}x{width}"
 
 
 def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
@@ -219,25 +222,26 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     chunk_args = (gen_params, state, arrays)
     pl.compile("generate", "decode", chunk, chunk_args, live=live, passed=passed, runs=steps)
     rows, widths = engine.view_buckets(t)
-    views = [(rows[-1], w) for w in widths[:-1]] + [(r, t) for r in rows[:-1]]
+    local = rows[-1]  # slots per shard
+    views = [(local, w) for w in widths[:-1]] + [(r, t) for r in rows[:-1]]
     views = views if engine.views else []
+    compiled: tuple[tuple[int, int], ...] = ()
     if views:
         # The largest view's copy of the cache is the peak; the views with the fewest rows
         # (at full width) and the narrowest width (at all rows), and the whole state taken
         # as a view (what a view's copies add per chunk), give the planner a step's cost
         # on any view (jaxrlhf.plan.estimate.view_cost_model).
         largest = max(views, key=lambda v: v[0] * v[1])
-        local = rows[-1]
         corners = [largest] + [v for v in ((rows[0], t), (local, widths[0])) if v in views]
-        corners.append((local, t))
-        for view_rows, width in dict.fromkeys(corners):  # in order, without repeats
+        compiled = tuple(dict.fromkeys([*corners, (local, t)]))  # in order, without repeats
+        ids_sharding = sharding.done if sharding is not None else None
+        for view_rows, width in compiled:
             view = engine.view_chunk_program(programs.sampling.static(), p_len, view_rows, width)
-            ids_sharding = sharding.done if sharding is not None else None
             ids = sds((view_rows * engine.slot_shards,), jnp.int32, ids_sharding)
             view_args = (gen_params, state, arrays, ids)
             pl.compile(  # runs only on a ragged tail (no full-length wave needs it)
                 "generate",
-                f"{VIEW_PREFIX}{view_rows}x{width}",
+                view_program_name(view_rows, width),
                 view,
                 view_args,
                 live=live,
@@ -246,9 +250,10 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
             )
     per_device = max(bytes_per_device(sharding.cache, abstract.cache).values())
     pl.engine_layout = EngineLayout(
-        local_slots=engine.slots // engine.slot_shards,
+        local_slots=local,
         shards=engine.slot_shards,
-        kv_bytes=per_device / (engine.slots // engine.slot_shards) / (p_len + t),
+        kv_bytes=per_device / local / (p_len + t),
+        views=compiled,
     )
     size = (
         f"{per_device / 2**30:.2f} GiB" if per_device >= 2**30 else f"{per_device / 2**20:.2f} MiB"

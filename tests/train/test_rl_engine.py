@@ -131,5 +131,6 @@ def test_dry_run_plans_the_engine(tmp_path):
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
     # What the planner prices views with: K and V of 2 layers x 2 KV heads x 8 dims, fp32.
-    assert report.engine_layout == dry_run.EngineLayout(8, 1, 2 * 2 * 2 * 8 * 4)
+    kv = 2 * 2 * 2 * 8 * 4
+    assert report.engine_layout == dry_run.EngineLayout(8, 1, kv, ((4, 6), (1, 6), (8, 6)))
     assert "up to 3 smaller decode views" in note  # 4, 2 or 1 of the 8 slots
