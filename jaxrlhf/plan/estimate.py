@@ -294,6 +294,7 @@ def _engine_runs(
         max_new_tokens=t,
         views=bool(views),
         keep_groups=r.prompts_per_step,
+        token_budget=r.token_budget,
     )
     runs = {"decode": replay.chunks * r.chunk_tokens, "admit": replay.admits}
     if not views:

@@ -8,7 +8,8 @@ slots between chunks: its decode steps depend on how the lengths fall into its s
 :func:`engine_chunks` replays the engine's admission policy (``generation.engine``: queued
 groups in order, a group only when ``n`` slots are free, admitted before each chunk; a
 finished sample frees its slot after the chunk it ended in) on given lengths and counts the
-chunks and admission calls.
+chunks and admission calls; with a total token budget (``rollout.token_budget``) it admits
+no group once the samples started have decoded that many tokens.
 
 A distribution (``--lengths`` of ``python -m jaxrlhf.plan``):
 
@@ -126,12 +127,15 @@ def engine_replay(
     max_new_tokens: int | None = None,
     views: bool = True,
     keep_groups: int | None = None,
+    token_budget: int | None = None,
 ) -> EngineReplay:
     """Replays the rollout engine on one call whose rows (prompt ``g``'s samples at
     ``g * n ... g * n + n - 1``) generate ``lengths`` tokens each, on ``slots`` slots over
     ``shards`` data shards decoding ``chunk`` steps per chunk; ``max_new_tokens`` (default:
     the longest length) is the cache's generated width; ``keep_groups``: over-sampling, the
-    call ends once that many groups have finished (None: all).
+    call ends once that many groups have finished (None: all); ``token_budget``: no group is
+    admitted once the started samples have decoded that many tokens in all (None: no limit),
+    and the call ends when nothing runs.
 
     As the engine does: a sample decodes ``length`` steps (its admission's prefill only
     fills the cache); one that ends within a chunk frees its slot after that chunk; whole
@@ -151,11 +155,13 @@ def engine_replay(
     left = np.zeros(slots, np.int64)  # steps each slot's sample has left (0: free)
     done = np.zeros(slots, np.int64)  # steps it has decoded
     group = np.full(slots, -1)  # its group
-    started = finished = chunks = admits = 0
+    started = finished = chunks = admits = generated = 0
     picked: list[tuple[int, int] | None] = []
-    while finished < keep and (queue or (left > 0).any()):
+    while finished < keep:
         free = np.flatnonzero(left == 0)
         groups = min(len(free) // n, len(queue))
+        if token_budget is not None and generated >= token_budget:
+            groups = 0
         if groups:
             admits += 1
             dest = free[: groups * n]
@@ -164,6 +170,8 @@ def engine_replay(
             group[dest] = np.repeat(np.arange(started, started + groups), n)
             started += groups
         running = left > 0
+        if not running.any():  # nothing running, nothing admissible
+            break
         need = int(running.reshape(shards, local).sum(1).max())
         reach = int(done[running].max()) + chunk
         rows = min(b for b in row_buckets if b >= need)
@@ -172,6 +180,7 @@ def engine_replay(
         picked.append(None if full else (rows, cols))
         chunks += 1
         ending = running & (left <= chunk)
+        generated += int(np.minimum(left[running], chunk).sum())
         left[running] = np.maximum(left[running] - chunk, 0)
         done[running] += chunk
         for g in np.unique(group[ending]):  # a group is finished when its last sample is

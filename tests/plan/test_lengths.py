@@ -49,14 +49,17 @@ def test_engine_chunks_equal_the_engines_own_count(slots, chunk):
 
 
 @pytest.mark.parametrize(
-    "shards, keep", [(1, None), (2, None), (1, 8)], ids=["one_shard", "two_shards", "keep_8"]
+    "shards, keep, token_budget",
+    [(1, None, None), (2, None, None), (1, 8, None), (1, 8, 20)],
+    ids=["one_shard", "two_shards", "keep_8", "keep_8_token_budget"],
 )
-def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep):
+def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep, token_budget):
     """The replay's view per chunk (rows bucket, width bucket; None: the whole state) equals
     the views the engine compiled its chunks for, in order: 16 slots, 4 steps per chunk, a
     32-token budget (widths 16 and 32), lengths with a long tail; on one data shard, on two
-    (groups fill the lowest free slots, so the shards' loads differ), and with over-sampling
-    (the call ends when 8 of the 12 groups have finished)."""
+    (groups fill the lowest free slots, so the shards' loads differ), with over-sampling
+    (the call ends when 8 of the 12 groups have finished), and with a total token budget
+    that stops admission before the 8 groups are in (the call ends when nothing runs)."""
     cfg = ModelConfig.tiny()
     params = M.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(2)
@@ -92,11 +95,24 @@ def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep):
         sampling,
         max_new_tokens=lengths,
         keep_groups=keep,
+        token_budget=token_budget,
     )
     replay = engine_replay(
-        lengths, slots, chunk, n, shards=shards, max_new_tokens=budget, keep_groups=keep
+        lengths,
+        slots,
+        chunk,
+        n,
+        shards=shards,
+        max_new_tokens=budget,
+        keep_groups=keep,
+        token_budget=token_budget,
     )
     assert list(replay.views) == used and any(v is not None for v in used)
+    if token_budget is not None:  # the budget binds: fewer admissions than without it
+        unbounded = engine_replay(
+            lengths, slots, chunk, n, shards=shards, max_new_tokens=budget, keep_groups=keep
+        )
+        assert replay.admits < unbounded.admits
 
 
 def test_lognormal_quantiles():
