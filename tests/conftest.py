@@ -29,3 +29,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # (the dry run's CLI does, for the mesh it plans) must find it fixed at 8 in every worker,
 # whichever test a worker happens to run first.
 assert len(jax.devices()) == 8
+
+# A test whose xdist worker process dies is rerun once in another worker (tests/crash_rerun.py
+# says why); hooks are found by name in a conftest.
+from tests.crash_rerun import (  # noqa: E402, F401
+    pytest_handlecrashitem,
+    pytest_report_teststatus,
+    pytest_terminal_summary,
+)
