@@ -50,7 +50,8 @@ def test_a_dead_worker_s_test_runs_once_more(tmp_path):
     )
     summary = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 1, out.stdout[-3000:]
-    assert summary.startswith("2 failed, 2 passed, 2 rerun"), summary
+    for count in ("2 failed", "2 passed", "2 rerun"):  # whatever else the line counts
+        assert count in summary.split(" in ")[0].split(", "), summary
     assert "test_crash.py::test_dies_once: its worker died 1x (rerun" in out.stdout
     assert "test_crash.py::test_dies_always: its worker died 2x (not rerun" in out.stdout
     assert "FAILED test_crash.py::test_fails" in out.stdout
