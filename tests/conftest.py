@@ -35,5 +35,7 @@ assert len(jax.devices()) == 8
 from tests.crash_rerun import (  # noqa: E402, F401
     pytest_handlecrashitem,
     pytest_report_teststatus,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
     pytest_terminal_summary,
 )
