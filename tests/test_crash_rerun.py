@@ -14,6 +14,14 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Environment settings of the outer session that would change the inner one's output.
+OUTER_SETTINGS = (
+    "PYTEST_ADDOPTS",
+    "PYTEST_PLUGINS",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
+    "PY_COLORS",
+    "FORCE_COLOR",
+)
 
 TESTS = """
 import os
@@ -46,12 +54,7 @@ def _session(tmp_path: Path, *args: str) -> tuple[int, str, list[str]]:
     summary line's counts)."""
     (tmp_path / "test_crash.py").write_text(TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-        and k not in ("PY_COLORS", "FORCE_COLOR")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in OUTER_SETTINGS}
     env["CRASH_MARK"] = str(tmp_path / "mark")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "tests.crash_rerun"]
