@@ -3,7 +3,9 @@
 :func:`measure` runs a plan as ``python -m jaxrlhf.train`` would (a subprocess: the CPU
 device count is fixed when JAX starts) for a few iterations and reads its ``timeline.json``
 (the trainer's own record of when each phase ran): per phase the mean seconds per iteration
-after the compile-heavy first ones, and the steady-state period (update end to update end).
+after the compile-heavy first ones (an interleaved run's critic and reference groups apart,
+keyed as the planner keys them: ``score:critic``), and the steady-state period (update end
+to update end).
 :func:`fit` compares them with the roofline prediction at efficiency 1: a phase's efficiency
 is predicted seconds / measured seconds (summed over the runs), per phase and per phase and
 device span; the per-iteration time no phase accounts for (host work between programs)
@@ -25,12 +27,15 @@ from typing import Any
 import yaml
 
 from jaxrlhf.config import ConfigError
-from jaxrlhf.plan.estimate import DEFAULT_CONTENTION, PHASES, CostModel, PlanEstimate
+from jaxrlhf.plan.estimate import DEFAULT_CONTENTION, PHASES, CostModel, PlanEstimate, phase_of
 
 __all__ = ["DEFAULT_COST_MODEL", "Measurement", "fit", "from_timeline", "measure"]
 
 DEFAULT_COST_MODEL = "plan_cost_model.json"  # where --calibrate writes, and the planner reads
 _TIMELINE_PHASES = {"sample": "generate", "score": "score", "update": "train", "sync": "sync"}
+# An interleaved run's side groups (the timeline's group names are the planner's): the
+# critic's value forward and update, the reference's forward on its own group.
+_SIDE_PHASES = {("score", "critic"), ("update", "critic"), ("reference", "reference")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,11 @@ def from_timeline(data: Mapping[str, Any], label: str, skip: int) -> Measurement
       ValueError: fewer than two timed iterations.
     """
     phases = [p for p in data["phases"] if p["step"] >= skip]
-    updates = sorted(p["end"] for p in phases if p["name"] == "update")
+    ends: dict[int, float] = {}  # each iteration's last update (the learner's or a critic's)
+    for p in phases:
+        if p["name"] == "update":
+            ends[p["step"]] = max(ends.get(p["step"], p["end"]), p["end"])
+    updates = sorted(ends.values())
     if len(updates) < 2:
         raise ValueError(f"{label}: fewer than 2 iterations after the first {skip} to time")
     steps = len(updates)
@@ -76,15 +85,17 @@ def from_timeline(data: Mapping[str, Any], label: str, skip: int) -> Measurement
     seconds = dict.fromkeys(PHASES, 0.0)
     overlapped = dict.fromkeys(PHASES, 0.0)
     for p in phases:
+        group = p.get("group", "learner")
         name = _TIMELINE_PHASES.get(p["name"])
+        if (p["name"], group) in _SIDE_PHASES:  # as the planner keys them: "score:critic"
+            name = f"{_TIMELINE_PHASES.get(p['name'], 'score')}:{group}"
         if name is None:
             continue
-        seconds[name] += p["end"] - p["start"]
-        group = p.get("group", "learner")
+        seconds[name] = seconds.get(name, 0.0) + p["end"] - p["start"]
         others = _union([iv for g, ivs in by_group.items() if g != group for iv in ivs])
-        overlapped[name] += _covered(p["start"], p["end"], others)
+        overlapped[name] = overlapped.get(name, 0.0) + _covered(p["start"], p["end"], others)
     per_iteration = {k: v / steps for k, v in seconds.items()}
-    overlap = {k: overlapped[k] / seconds[k] if seconds[k] > 0 else 0.0 for k in PHASES}
+    overlap = {k: overlapped[k] / v if v > 0 else 0.0 for k, v in seconds.items()}
     period = (updates[-1] - updates[0]) / (steps - 1)
     return Measurement(label, per_iteration, period, overlap)
 
@@ -137,10 +148,13 @@ def _efficiencies(
     predicted: dict[str, float] = {}
     measured: dict[str, float] = {}
     for p, m in pairs:
-        for phase in PHASES:
-            alone = _alone(m, phase, contention)
-            for key in (phase, f"{phase}@{p.phase_devices.get(phase, 1)}"):
-                predicted[key] = predicted.get(key, 0.0) + p.phases[phase]
+        for name, seconds in p.phases.items():  # an interleaved plan's side groups too
+            if name not in m.phases:
+                continue
+            alone = _alone(m, name, contention)
+            phase = phase_of(name)
+            for key in (phase, f"{phase}@{p.phase_devices.get(name, 1)}"):
+                predicted[key] = predicted.get(key, 0.0) + seconds
                 measured[key] = measured.get(key, 0.0) + alone
     return {k: predicted[k] / measured[k] for k in predicted if predicted[k] > 0 < measured[k]}
 
@@ -151,7 +165,7 @@ def _period_error(pairs, efficiency, host, contention) -> float:
     total = 0.0
     for p, m in pairs:
         phases = {
-            k: v / model.efficiency_of(k, p.phase_devices.get(k, 1)) if v > 0 else 0.0
+            k: v / model.efficiency_of(phase_of(k), p.phase_devices.get(k, 1)) if v > 0 else 0.0
             for k, v in p.phases.items()
         }
         for k, v in host.items():
@@ -172,10 +186,10 @@ def fit(
     (devices sharing a host, when some run overlapped): the value in [0, 1] (steps of 0.05)
     whose predicted periods are closest to the measured ones.
     """
-    gaps = [
+    gaps = [  # colocated runs, whose phases follow one another (no side groups)
         m.iteration_s - sum(m.phases.values())
         for p, m in pairs
-        if p.schedule is not None and not p.schedule.separated
+        if p.schedule is not None and not p.schedule.separated and set(p.phases) <= set(PHASES)
     ]
     host = {"score": max(0.0, sum(gaps) / len(gaps))} if gaps else {}
     shared = any(p.schedule is not None and p.schedule.shared_host for p, _ in pairs)

@@ -1,7 +1,8 @@
 """The plans the planner considers, as config overlays.
 
 A plan is an overlay of the run config: ``placement`` (strategy, device groups, meshes, and
-in a separated plan where the reference's forward runs), ``mesh`` (the learner's),
+in a separated plan where the reference's forward runs; in an interleaved one the critic's
+or the reference's own group), ``mesh`` (the learner's),
 ``model.remat``, ``train.micro_batch_size``, and the RL section's ``rollout.max_staleness``
 and (with the rollout engine) ``rollout.slots``. :func:`layouts` lists the placements and
 meshes of a cluster; :func:`memory_variants` the remat, micro-batch and slot settings tried,
@@ -70,6 +71,8 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
     1/4, 1/2 or 3/4 of the devices (or the nearest count both sides can run on: ``_splits``),
     each side's meshes, the reference with the learner and
     (where the run allows it: :func:`reference_may_move`) on the sampler's devices.
+    Interleaved (2+ devices): the critic or the reference on a group of its own
+    (:func:`_interleaved`).
     """
     model = cfg.model.resolve()
     # Every placement field a plan decides is set, so nothing of the run's own placement
@@ -103,6 +106,57 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
                     "reference": reference,
                 }
                 yield {"placement": placement, "mesh": lmesh}
+    yield from _interleaved(cfg, model, devices, base)
+
+
+def _interleaved(
+    cfg: RunConfig, model: ModelConfig, devices: int, base: dict[str, Any]
+) -> Iterator[dict[str, Any]]:
+    """Interleaved plans (2+ devices): PPO's critic on a group of its own (the first 1/4
+    or 1/2 of the devices, with the learner's data shards: the two updates split the rollout
+    alike; not a Hydra critic, which shares the policy's trunk, nor a LoRA one, whose
+    frozen base the dry run would count on the learner's group only), or the reference on
+    a group of its own (``reference: own``, the run permitting: :func:`reference_may_move`;
+    its data shards splitting the rollout's rows); the policy and the sampler on the rest,
+    each learner mesh."""
+    if devices < 2:
+        return
+    algo = rl_section(cfg)
+    rows = algo.rollout.rows // algo.loss.num_minibatches
+    sizes = sorted({max(1, round(devices * f)) for f in (0.25, 0.5)})
+    hydra = cfg.algorithm == "ppo" and cfg.ppo.hydra
+    for k in sizes:
+        learner_meshes = _meshes(model, devices - k)
+        placement = {**base, "strategy": "interleaved"}
+        group = {"devices": list(range(k))}
+        rest = {"devices": list(range(k, devices))}
+        if cfg.algorithm == "ppo" and not hydra and cfg.lora is None:
+            for lmesh in learner_meshes:
+                shards = lmesh["data"] * lmesh["fsdp"]
+                if rows % shards or k % shards or k // shards not in _tensor_sizes(model, k):
+                    continue
+                cmesh = {"data": lmesh["data"], "fsdp": lmesh["fsdp"], "tensor": k // shards}
+                yield {
+                    "placement": {
+                        **placement,
+                        "critic": {**group, "mesh": cmesh},
+                        "learner": {**rest, "mesh": lmesh},
+                    },
+                    "mesh": lmesh,
+                }
+        if reference_may_move(cfg) and algo.rollout.rows % k == 0:
+            for lmesh in learner_meshes:
+                if rows % (lmesh["data"] * lmesh["fsdp"]):
+                    continue
+                yield {
+                    "placement": {
+                        **placement,
+                        "reference": "own",
+                        "reference_group": {**group, "mesh": {"data": k, "fsdp": 1, "tensor": 1}},
+                        "learner": {**rest, "mesh": lmesh},
+                    },
+                    "mesh": lmesh,
+                }
 
 
 def _splits(cfg: RunConfig, model: ModelConfig, devices: int) -> list[int]:
@@ -236,6 +290,14 @@ def describe(overlay: dict[str, Any], algorithm: str) -> str:
             parts.append("reference on the sampler")
         stale = overlay.get(algorithm, {}).get("rollout", {}).get("max_staleness", 0)
         parts.append(f"staleness {stale}")
+    elif p.get("strategy") == "interleaved":
+        lrn = p["learner"]
+        side = "critic" if p.get("critic") else "reference_group"
+        g = p[side]
+        parts.append(
+            f"interleaved learner {len(lrn['devices'])}:{shape(lrn.get('mesh'))} "
+            f"{side.split('_')[0]} {len(g['devices'])}:{shape(g.get('mesh'))}"
+        )
     else:
         gen = p.get("generate_mesh")
         parts.append(f"colocated {shape(overlay.get('mesh'))}")

@@ -62,6 +62,7 @@ __all__ = [
     "compile_plan",
     "estimate",
     "invalid_plan_errors",
+    "phase_of",
     "state_floor",
     "view_cost_model",
     "with_layers",
@@ -145,6 +146,8 @@ class ProgramEstimate:
       cost: per-device cost of one run.
       peak_bytes: its peak bytes per device (XLA memory analysis + resident state).
       seconds: predicted seconds per iteration (runs x roofline / efficiency).
+      group: the side group it runs on (an interleaved plan's ``critic`` or ``reference``),
+        "" for its phase's own group.
     """
 
     phase: str
@@ -153,6 +156,7 @@ class ProgramEstimate:
     cost: ProgramCost
     peak_bytes: int
     seconds: float
+    group: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +166,9 @@ class PlanEstimate:
     Attributes:
       label: the plan in one line.
       overlay: the config overlay that makes the run follow this plan.
-      phases: predicted seconds per iteration of ``generate``, ``score``, ``train``, ``sync``.
+      phases: predicted seconds per iteration of ``generate``, ``score``, ``train``, ``sync``
+        (the sampler's and the learner's), and an interleaved plan's side groups' as
+        ``"score:GROUP"`` / ``"train:GROUP"`` (``critic``, ``reference``).
       iteration_s: predicted steady-state seconds per iteration (the simulator's period).
       idle_fraction: share of device-seconds no phase uses in the steady state.
       programs: per program.
@@ -382,31 +388,32 @@ def view_cost_model(
     return cost
 
 
-def _groups(cfg: RunConfig, devices: int) -> tuple[dict[str, int], bool]:
-    """Devices per group (``all``, or ``sampler`` and ``learner``) and whether separated."""
+# The placement's side groups as the planner (and the trainer's timeline) names them.
+SIDE_GROUPS = {"critic": "critic", "reference_group": "reference"}
+
+
+def _groups(cfg: RunConfig, devices: int) -> dict[str, int]:
+    """Devices per group: ``all`` (colocated), or ``learner`` and any of ``sampler``,
+    ``critic``, ``reference`` (separated, interleaved)."""
     from jaxrlhf.sharding.placement import role_devices
 
-    p = cfg.placement
-    if p.strategy == "interleaved":
-        raise ConfigError(
-            "placement.strategy: interleaved (the critic or the reference on a group of its "
-            "own) is not priced by the planner yet"
-        )
-    if p.strategy == "separated":
-        groups = role_devices(p, devices)
-        return {"sampler": len(groups["sampler"]), "learner": len(groups["learner"])}, True
-    return {"all": devices}, False
+    if cfg.placement.strategy == "colocated":
+        return {"all": devices}
+    return {SIDE_GROUPS.get(k, k): len(v) for k, v in role_devices(cfg.placement, devices).items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledPlan:
     """A plan's programs at the model's depth (what :func:`compile_plan` extrapolated):
-    ``programs`` as ``(phase, name, runs, cost, peak bytes)``, the weight-sync bytes."""
+    ``programs`` as ``(phase, name, runs, cost, peak bytes)``, the weight-sync bytes, and
+    ``groups``: ``(phase, name)`` -> the side group of an interleaved plan's programs that
+    run on one (the critic's values and update, the reference's forward)."""
 
     programs: tuple[tuple[str, str, float, ProgramCost, int], ...]
     sync_bytes: int
     source: str
     engine_layout: Any = None  # jaxrlhf.train.dry_run.EngineLayout with the rollout engine
+    groups: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
 
 
 def compile_plan(cfg: RunConfig, source: str = "<plan>") -> CompiledPlan:
@@ -418,7 +425,8 @@ def compile_plan(cfg: RunConfig, source: str = "<plan>") -> CompiledPlan:
         (:func:`invalid_plan_errors`).
     """
     programs, sync, report, layout = _compiled_programs(cfg, source)
-    return CompiledPlan(tuple(programs), sync, report.source, layout)
+    groups = {(p.phase, p.name): SIDE_GROUPS[p.group] for p in report.programs if p.group}
+    return CompiledPlan(tuple(programs), sync, report.source, layout, groups)
 
 
 def estimate(
@@ -442,11 +450,14 @@ def estimate(
     spec = cluster.spec
     compiled = compile_plan(cfg) if compiled is None else compiled
     programs, sync_bytes = compiled.programs, compiled.sync_bytes
-    groups, separated = _groups(cfg, cluster.count)
+    groups = _groups(cfg, cluster.count)
+    separated = "sampler" in groups
+    side_of = compiled.groups
     spans = dict.fromkeys(PHASES, 1)
-    for phase, _, _, cost, _ in programs:
-        spans[phase] = max(spans[phase], cost.devices)
-    spans["sync"] = groups.get("sampler", max(groups.values()))
+    for phase, name, _, cost, _ in programs:
+        key = _phase_key(phase, side_of.get((phase, name), ""))
+        spans[key] = max(spans.get(key, 1), cost.devices)
+    spans["sync"] = groups.get("sampler", groups.get("learner", groups.get("all", 1)))
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
     engine = _engine_runs(cfg, lengths, compiled)
@@ -460,13 +471,15 @@ def estimate(
         # The reference's forward on the sampler's group (placement.reference: sampler) is
         # a scoring forward in the sampler's time: scoring's efficiency, generate's devices.
         like = "score" if (phase, name) == ("generate", "reference") else phase
-        span = cost.devices if like != phase else spans[phase]
+        group = side_of.get((phase, name), "")
+        key = _phase_key(phase, group)
+        span = cost.devices if like != phase else spans[key]
         seconds = runs * one / model.efficiency_of(like, span)
         if cluster.shared_host:  # its devices' shards run on the same cores
             seconds *= cost.devices
-        priced.append(ProgramEstimate(phase, name, runs, cost, peak, seconds))
-        phases[phase] += seconds
-    link = spec.link_for(cluster.count if separated else max(groups.values()))
+        priced.append(ProgramEstimate(phase, name, runs, cost, peak, seconds, group))
+        phases[key] = phases.get(key, 0.0) + seconds
+    link = spec.link_for(cluster.count if separated else groups.get("learner", cluster.count))
     phases["sync"] = sync_bytes / link / model.efficiency_of("sync", spans["sync"])
     for phase, seconds in model.host_seconds.items():
         phases[phase] = phases.get(phase, 0.0) + seconds
@@ -501,6 +514,17 @@ def estimate(
         schedule=shape,
         phase_devices=spans,
     )
+
+
+def _phase_key(phase: str, group: str) -> str:
+    """The key of ``phase`` on ``group`` in a plan's phases (``"score:critic"``; the phase
+    itself on its own group)."""
+    return f"{phase}:{group}" if group else phase
+
+
+def phase_of(key: str) -> str:
+    """The phase of a key of :attr:`PlanEstimate.phases` (``"score:critic"`` -> ``score``)."""
+    return key.partition(":")[0]
 
 
 def _steady_state(
@@ -543,7 +567,9 @@ def state_floor(cfg: RunConfig) -> int:
     parameters and Adam moments at the parameter dtype (3 copies) and every frozen one's
     parameters over its fsdp x tensor shards, plus (colocated) the sampler's copy of the
     policy where its layout differs; on a separated sampler's, that copy (and the reference
-    with ``placement.reference: sampler``, which the learner's then lacks). The sampler keeps
+    with ``placement.reference: sampler``, which the learner's then lacks); on an
+    interleaved plan's critic group, the critic's state, on its reference group, the
+    reference (the learner's then lacks them). The sampler keeps
     the policy whole on each data x fsdp replica, sharded over tensor only. 0 for LoRA and
     Hydra runs (their trained part is small; the compile decides)."""
     from jaxrlhf.config import rl_section
@@ -558,15 +584,28 @@ def state_floor(cfg: RunConfig) -> int:
     scalar = model_lib.param_count(model_lib.abstract_params(model, "scalar"))
     p = cfg.placement
     ref_apart = p.strategy == "separated" and p.reference == "sampler"
-    copies = 3 * lm + (0 if ref_apart else lm)  # the policy trained, the reference frozen
+    ref_own = p.strategy == "interleaved" and p.reference == "own"
+    critic_own = p.strategy == "interleaved" and p.critic is not None
+    # the policy trained, the reference frozen
+    copies = 3 * lm + (0 if ref_apart or ref_own else lm)
+    side = [0]  # an interleaved plan's side groups: the critic's state, the reference
     if cfg.algorithm == "ppo":
-        copies += 3 * scalar  # the critic
+        if critic_own:
+            side.append(3 * scalar * itemsize // _shards(p.critic.mesh))
+        else:
+            copies += 3 * scalar  # the critic
+    if ref_own:
+        side.append(lm * itemsize // _shards(p.reference_group.mesh))
     if algo.reward.model_dir is not None:
         copies += scalar  # the reward model (planned with the policy's architecture)
     learner = cfg.mesh if p.learner is None or p.learner.mesh is None else p.learner.mesh
     learner_tensor = max(1, learner.tensor)
     learner_bytes = copies * itemsize // (max(1, learner.fsdp) * learner_tensor)
-    if p.strategy == "separated":
+    if p.strategy == "interleaved" and p.sampler is None:  # the sampler on the learner's
+        differs = learner.fsdp > 1
+        return max(learner_bytes + (lm * itemsize // learner_tensor if differs else 0), *side)
+    learner_bytes = max(learner_bytes, *side)
+    if p.strategy != "colocated":
         sampler = p.sampler.mesh if p.sampler is not None and p.sampler.mesh else None
         copy = lm * itemsize // max(1, sampler.tensor if sampler is not None else 1)
         if ref_apart:  # and the reference, sharded as the sampler's rules shard it (>= this)
@@ -575,6 +614,11 @@ def state_floor(cfg: RunConfig) -> int:
     sampler_tensor = max(1, (p.generate_mesh or learner).tensor)
     differs = learner.fsdp > 1 or sampler_tensor != learner_tensor
     return learner_bytes + (lm * itemsize // sampler_tensor if differs else 0)
+
+
+def _shards(mesh: Any) -> int:
+    """The fsdp x tensor shards of a group's mesh (None: data-parallel only)."""
+    return 1 if mesh is None else max(1, mesh.fsdp) * max(1, mesh.tensor)
 
 
 def invalid_plan_errors() -> tuple[type[Exception], ...]:

@@ -61,10 +61,13 @@ def format_plans(
     ]
     for i, p in enumerate(plans[:top]):
         ph = p.phases
+        # An interleaved plan's side groups run beside the learner's phases: named apart.
+        side = ", ".join(f"{k} {v:.3f}" for k, v in ph.items() if ":" in k)
         lines.append(
             f"{i + 1:>2} {p.iteration_s:>8.3f} {ph['generate']:>9.3f} {ph['score']:>8.3f} "
             f"{ph['train']:>8.3f} {ph['sync']:>8.3f} {gib(p.peak_bytes):>11} "
             f"{gib(p.reshard_bytes):>10} {p.idle_fraction:>5.0%}  {p.label}"
+            + (f" (beside: {side})" if side else "")
         )
     if rejected:
         lines += ["", f"rejected ({len(rejected)}):"]

@@ -180,6 +180,13 @@ def _features(overlay: dict[str, Any]) -> tuple[str, str, str]:
             repr(p["learner"].get("mesh")),
             repr(p["sampler"].get("mesh")),
         )
+    if p.get("strategy") == "interleaved":
+        side = "critic" if p.get("critic") else "reference_group"
+        return (
+            f"interleaved-{side}{len(p[side]['devices'])}",
+            repr(p["learner"].get("mesh")),
+            repr(p[side].get("mesh")),
+        )
     return ("colocated", repr(overlay.get("mesh")), repr(p.get("generate_mesh")))
 
 

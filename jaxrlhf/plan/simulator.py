@@ -5,7 +5,8 @@ A :class:`Task` occupies one or more device groups (``"learner"``, ``"sampler"``
 scheduler: it keeps starting the ready task that can start earliest, when its dependencies
 are done and all its groups are free; a group runs one task at a time.
 :func:`iteration_tasks` unrolls the RL iteration of a placement (generate, reshard, score,
-update, weight sync) over several iterations with bounded staleness, the graph
+update, weight sync; an interleaved placement's critic or reference group beside the
+learner) over several iterations with bounded staleness, the graph
 :mod:`jaxrlhf.plan.estimate` times.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-__all__ = ["Schedule", "Task", "iteration_tasks", "simulate"]
+__all__ = ["Schedule", "Task", "iteration_tasks", "side_phases", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,17 @@ def _simulate_shared(tasks: Sequence[Task], contention: float) -> Schedule:
     return Schedule(tuple(tasks), start, end)
 
 
+def side_phases(phases: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """The side groups' phases among ``phases``: ``"score:critic"`` -> ``{"critic":
+    {"score": seconds}}`` (an ``interleaved`` placement's critic or reference group)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, seconds in phases.items():
+        phase, _, group = key.partition(":")
+        if group:
+            out.setdefault(group, {})[phase] = seconds
+    return out
+
+
 def iteration_tasks(
     phases: Mapping[str, float],
     *,
@@ -136,9 +148,12 @@ def iteration_tasks(
 
     Args:
       phases: seconds of ``generate``, ``score`` (reward and scoring forwards), ``train``
-        (the update) and ``sync`` (moving the policy's weights to the sampler's layout).
+        (the update) and ``sync`` (moving the policy's weights to the sampler's layout); an
+        ``interleaved`` placement's side groups as ``"score:GROUP"`` (its forward: the
+        critic's values, the reference's log-probs) and ``"train:GROUP"`` (its update: the
+        critic's).
       separated: the sampler on a ``sampler`` group of its own (else every phase on
-        ``all``, one after the other).
+        ``all``, one after the other, or with side groups, on ``learner``).
       max_staleness: iteration ``i`` may sample with the weights of update ``i - 1 - s``
         for ``s <= max_staleness`` (0: each rollout uses the latest weights).
       weight_sync_every: the weights move after every this many updates.
@@ -146,21 +161,46 @@ def iteration_tasks(
     Colocated: ``sync -> generate -> score -> train`` per iteration on ``all``. Separated:
     ``generate_i`` on ``sampler`` waits for the weights of update ``i - 1 - max_staleness``
     (the sync after it, which the sampler runs between its batches); ``score_i`` and
-    ``train_i`` run on ``learner``.
+    ``train_i`` run on ``learner``. A side group scores rollout ``i`` beside the learner's
+    ``score_i`` (both after ``generate_i``) and updates beside ``train_i`` (both once every
+    forward is in: the advantages need them); a colocated iteration's next sync waits for
+    both updates.
     """
+    side = side_phases(phases)
     tasks: list[Task] = []
+
+    def scoring(i: int, gen: str) -> tuple[str, ...]:
+        """Rollout ``i``'s scoring tasks (learner and side groups) after ``gen``."""
+        tasks.append(Task(f"score{i}", (main,), phases["score"], (gen,)))
+        names = [f"score{i}"]
+        for group, ph in side.items():
+            if ph.get("score", 0.0) > 0:
+                tasks.append(Task(f"score{i}:{group}", (group,), ph["score"], (gen,)))
+                names.append(f"score{i}:{group}")
+        return tuple(names)
+
+    def updates(i: int, scored: tuple[str, ...]) -> tuple[str, ...]:
+        """Iteration ``i``'s updates (the learner's and side groups') after ``scored``."""
+        tasks.append(Task(f"train{i}", (main,), phases["train"], scored))
+        names = [f"train{i}"]
+        for group, ph in side.items():
+            if ph.get("train", 0.0) > 0:
+                tasks.append(Task(f"train{i}:{group}", (group,), ph["train"], scored))
+                names.append(f"train{i}:{group}")
+        return tuple(names)
+
     if not separated:
+        main = "learner" if side else "all"
         prev: tuple[str, ...] = ()
         for i in range(iterations):
             sync = i % weight_sync_every == 0 and phases["sync"] > 0
             if sync:
-                tasks.append(Task(f"sync{i}", ("all",), phases["sync"], prev))
+                tasks.append(Task(f"sync{i}", (main,), phases["sync"], prev))
                 prev = (f"sync{i}",)
-            tasks.append(Task(f"generate{i}", ("all",), phases["generate"], prev))
-            tasks.append(Task(f"score{i}", ("all",), phases["score"], (f"generate{i}",)))
-            tasks.append(Task(f"train{i}", ("all",), phases["train"], (f"score{i}",)))
-            prev = (f"train{i}",)
+            tasks.append(Task(f"generate{i}", (main,), phases["generate"], prev))
+            prev = updates(i, scoring(i, f"generate{i}"))
         return tasks
+    main = "learner"
     synced: dict[int, str] = {}  # update index -> the sync task that carried its weights
     for i in range(iterations):
         deps = []
@@ -175,8 +215,7 @@ def iteration_tasks(
                 )
             deps.append(carrier)
         tasks.append(Task(f"generate{i}", ("sampler",), phases["generate"], tuple(deps)))
-        tasks.append(Task(f"score{i}", ("learner",), phases["score"], (f"generate{i}",)))
-        tasks.append(Task(f"train{i}", ("learner",), phases["train"], (f"score{i}",)))
+        updates(i, scoring(i, f"generate{i}"))
         if (i + 1) % weight_sync_every == 0:
             # The sampler takes the new weights between its batches: the copy occupies it.
             tasks.append(Task(f"sync{i}", ("sampler",), phases["sync"], (f"train{i}",)))

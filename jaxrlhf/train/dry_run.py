@@ -316,11 +316,10 @@ def plan(
         devices = list(mesh.devices.flat)
         if placement.generate_mesh is not None:
             devices = jax.devices("cpu")
-    gen_mesh, ref_mesh = mesh, None
+    gen_mesh, ref_mesh, critic_mesh = mesh, None, None
     if placement.generate_mesh is not None and cfg.algorithm in RL_ALGORITHMS:
         gen_mesh = make_mesh(placement.generate_mesh, devices=devices)
-    if placement.strategy != "colocated":  # the learner's and the sampler's groups
-        # (an interleaved critic is planned on the learner's group: same shapes per device)
+    if placement.strategy != "colocated":  # the learner's, the sampler's and side groups
         groups = role_devices(placement, len(devices))
         learner = [devices[i] for i in groups["learner"]]
         mesh = make_mesh(role_mesh_config(placement, "learner", cfg.mesh), learner)
@@ -331,6 +330,9 @@ def plan(
         if "reference_group" in groups and cfg.algorithm in RL_ALGORITHMS:
             own = [devices[i] for i in groups["reference_group"]]
             ref_mesh = make_mesh(role_mesh_config(placement, "reference_group", cfg.mesh), own)
+        if "critic" in groups and cfg.algorithm == "ppo":  # interleaved: the critic's own
+            critic = [devices[i] for i in groups["critic"]]
+            critic_mesh = make_mesh(role_mesh_config(placement, "critic", cfg.mesh), critic)
     layout = validate(
         cfg,
         len(devices),
@@ -339,7 +341,7 @@ def plan(
         override_paths=override_paths,
     )
     model_cfg = layout.model
-    planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh, ref_mesh)
+    planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh, ref_mesh, critic_mesh)
     if cfg.algorithm in RL_ALGORITHMS:
         shapes = dry_run_rl.plan_rl(planner, layout)
     else:

@@ -59,6 +59,9 @@ class ProgramMemory:
       cost: XLA's cost analysis per device, loop bodies counted once (the planner's input).
       runs: how many times per iteration that loop body runs when every sample generates
         ``max_new_tokens`` (decode steps, micro-batches x minibatches x epochs, ...).
+      group: the placement's device group it runs on when that is a side group of an
+        ``interleaved`` placement (``critic``, ``reference_group``); "" for the phase's own
+        group (the sampler's for generate, else the learner's).
     """
 
     phase: str
@@ -72,6 +75,7 @@ class ProgramMemory:
     compile_s: float
     cost: ProgramCost | None = None
     runs: float = 1.0
+    group: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -150,10 +154,12 @@ class Planner:
         mesh: Mesh,
         generate_mesh: Mesh | None = None,
         reference_mesh: Mesh | None = None,
+        critic_mesh: Mesh | None = None,
     ) -> None:
         self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
         self.generate_mesh = mesh if generate_mesh is None else generate_mesh
         self.reference_mesh = reference_mesh  # placement.reference: own; else None
+        self.critic_mesh = critic_mesh  # interleaved with a critic group; else None
         self.trees: dict[str, tuple[Any, Any]] = {}  # name -> (abstract, shardings)
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []
@@ -245,11 +251,12 @@ class Planner:
         live: Sequence[str],
         passed: Sequence[str],
         runs: float = 1.0,
+        group: str = "",
     ) -> Any:
         """Lowers and compiles ``jitted(*args)``; records its memory; returns the executable.
 
         ``live``: the trees on the devices meanwhile; ``passed``: those among ``args``;
-        ``runs``: :attr:`ProgramMemory.runs`.
+        ``runs``, ``group``: :attr:`ProgramMemory.runs`, :attr:`ProgramMemory.group`.
         """
         start = time.perf_counter()
         try:
@@ -273,6 +280,7 @@ class Planner:
                 compile_s=time.perf_counter() - start,
                 cost=program_cost(compiled, jitted_devices(args)),
                 runs=runs,
+                group=group,
             )
         )
         return compiled

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.config import RunLayout, rl_section
 from jaxrlhf.models import model as model_lib
@@ -55,6 +57,7 @@ def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfi
         sampling,
         reward_model=rm_model,
         matmul_block=0,
+        critic_mesh=pl.critic_mesh,
         reference_mesh=pl.reference_mesh,
     )
     return programs, rm_model, note
@@ -307,7 +310,7 @@ def _plan_score(pl, programs, held, models, rm_params):
         "score",
         programs.score,
         score_args,
-        live=held,
+        live=_learner_trees(pl, held),
         passed=passed,
         runs=programs.layout.rl.score_micro,  # map_micro's scan body is one micro-batch
     )
@@ -316,7 +319,52 @@ def _plan_score(pl, programs, held, models, rm_params):
         jax.eval_shape(lambda *a: programs.score(*a, packed), *score_args[:-1]),
         score.output_shardings,
     )
+    if pl.critic_mesh is not None:  # interleaved: the critic's values on its own group
+        value = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), *pl.trees["value.params"])
+        critic_batch = jax.tree.map(
+            lambda x: sds(x.shape, x.dtype, programs.critic_rows(x.ndim)),
+            batch.replace(turn_rewards=None, ref_logprobs=None),
+        )
+        pl.compile(
+            "score",
+            "values",
+            programs.score_values,
+            (value, critic_batch, packed),
+            live=_critic_trees(held),
+            passed=["value.params"],
+            runs=programs.layout.rl.score_micro,
+            group="critic",
+        )
+        # The learner completes the advantages once the values are in (score_advantages).
+        forwards = jax.eval_shape(
+            lambda *a: programs.score_forwards(*a, packed), *score_args[:3], batch
+        )
+        values = jax.ShapeDtypeStruct((rows, length), jnp.float32)
+        shape = jax.eval_shape(
+            programs.score_advantages,
+            forwards.replace(old_values=values),
+            batch.response_mask,
+            *score_args[4:6],
+            batch.turn_rewards,
+        )
+        scored = jax.tree.map(
+            lambda a: sds(a.shape, a.dtype, programs.rows(a.ndim) if a.ndim else pl.replicated),
+            shape,
+        )
     return batch, scored
+
+
+def _critic_trees(held: list[str]) -> list[str]:
+    """The critic's trees among ``held`` (an interleaved critic's group holds them)."""
+    return [n for n in held if n.startswith("value.")]
+
+
+def _learner_trees(pl: Planner, held: list[str]) -> list[str]:
+    """The trees of ``held`` on the learner's devices: all of them, but an interleaved
+    critic's (on its own group)."""
+    if pl.critic_mesh is None:
+        return list(held)
+    return [n for n in held if n not in _critic_trees(held)]
 
 
 def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
@@ -342,6 +390,7 @@ def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
         live=[*held, *copies],
         passed=["reference.params"],
         runs=programs.reference_planner.score_micro,  # map_micro's scan body is one micro-batch
+        group="reference_group" if own else "",
     )
 
 
@@ -407,6 +456,9 @@ def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple,
             frozen.append(value_base)
         passed.append("value.params")
         states.append(value)
+        if pl.critic_mesh is not None:  # interleaved: its values are scored on its group
+            models[-1] = None
+            passed = [n for n in passed if not n.startswith("value.")]
     else:
         models.append(None)
     return held, tuple(states), tuple(frozen), [tuple(models), passed]
@@ -482,14 +534,34 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         plan = sds((rows, algo.loss.epochs), jnp.int32, programs.rows(2))
         learner_batch = learner_batch.replace(packing=RowPacking(plan, plan, plan))
     learners = [n for n in held if n.startswith(("policy.", "value.")) and ".generate" not in n]
+    runs = algo.loss.epochs * algo.loss.num_minibatches * rl.num_micro  # nested scans' body
+    if pl.critic_mesh is not None:  # interleaved: each learner's update on its own group
+        on_critic = jax.tree.map(
+            lambda x: sds(x.shape, x.dtype, programs.critic_rows(x.ndim)), learner_batch
+        )
+        critic_key = jax.ShapeDtypeStruct(
+            pl.key.shape, pl.key.dtype, sharding=NamedSharding(pl.critic_mesh, P())
+        )
+        pl.compile(
+            "train",
+            "update.critic",
+            programs.update_value,
+            ((states[1],), on_critic, critic_key, (frozen[1],), packed),
+            live=_critic_trees(held),
+            passed=_critic_trees(held),
+            runs=runs,
+            group="critic",
+        )
+        states, frozen = states[:1], frozen[:1]
+        learners = [n for n in learners if n not in _critic_trees(held)]
     pl.compile(
         "train",
         "update",
         programs.update,
         (states, learner_batch, pl.key, frozen, packed),
-        live=held,
+        live=_learner_trees(pl, held),
         passed=learners,
-        runs=algo.loss.epochs * algo.loss.num_minibatches * rl.num_micro,  # nested scans' body
+        runs=runs,
     )
     loss, r = algo.loss, algo.rollout
     return (

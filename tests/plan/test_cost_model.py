@@ -230,6 +230,32 @@ def test_separated_iteration_by_staleness():
     assert _period(tasks, n) == pytest.approx(11.0)
 
 
+def test_interleaved_iteration_by_hand():
+    """An interleaved plan's critic group scores each rollout beside the learner's scoring
+    forwards and updates beside the policy's update, both once every forward is in (the
+    advantages need them); the next iteration waits for both updates: 2 + max(1, 2) +
+    max(3, 5) = 9 s per iteration. On one host's cores shared as a fluid (contention 1) the
+    overlap buys nothing: the sum of all the work, 13 s; with independent devices
+    (contention 0) 9 s again. A reference group (a forward, no update): 2 + 4 + 3."""
+    phases = {"generate": 2.0, "score": 1.0, "train": 3.0, "sync": 0.0}
+    critic = {**phases, "score:critic": 2.0, "train:critic": 5.0}
+    n = 6
+    tasks = iteration_tasks(critic, separated=False, iterations=n)
+    assert {t.groups for t in tasks} == {("learner",), ("critic",)}
+    assert _period(tasks, n) == pytest.approx(9.0)
+    shared = ScheduleShape(separated=False, staleness=0, sync_every=1, shared_host=True)
+    assert shared.period(critic, 1.0) == pytest.approx(13.0)
+    assert shared.period(critic, 0.0) == pytest.approx(9.0)
+    reference = {**phases, "score:reference": 4.0}
+    tasks = iteration_tasks(reference, separated=False, iterations=n)
+    assert _period(tasks, n) == pytest.approx(9.0)
+    # With a sampler group of its own at staleness 1 the sampler's 6 s + 0.5 s copy set the
+    # pace; the learner's and the critic's 2 + 5 = 7 s (the slower side of each stage) do.
+    sampler = {**critic, "generate": 6.0, "sync": 0.5}
+    stale = iteration_tasks(sampler, separated=True, iterations=10, max_staleness=1)
+    assert _period(stale, 10) == pytest.approx(7.0)
+
+
 # ---- clusters, memory, calibration, overlays ------------------------------------------------
 
 
@@ -346,6 +372,71 @@ def test_timeline_measurement():
         from_timeline({"phases": phases}, "x", skip=3)
 
 
+def test_timeline_measurement_of_an_interleaved_run():
+    """The critic's and the reference's groups are measured apart, keyed as the planner
+    keys them, with the share of their time another group was busy too."""
+    phases = []
+    for step in range(4):  # each iteration 10 s
+        t = 10.0 * step
+        phases += [
+            {"name": "sample", "step": step, "start": t, "end": t + 4},
+            {"name": "score", "step": step, "start": t + 4, "end": t + 5},
+            {"name": "score", "group": "critic", "step": step, "start": t + 4, "end": t + 6},
+            {"name": "reference", "group": "reference", "step": step, "start": t + 4, "end": t + 7},
+            {"name": "update", "step": step, "start": t + 7, "end": t + 9},
+            {"name": "update", "group": "critic", "step": step, "start": t + 7, "end": t + 10},
+        ]
+    m = from_timeline({"phases": phases}, "x", skip=1)
+    assert m.iteration_s == pytest.approx(10.0)
+    assert m.phases == {
+        "generate": 4.0,
+        "score": 1.0,
+        "train": 2.0,
+        "sync": 0.0,
+        "score:critic": 2.0,
+        "score:reference": 3.0,
+        "train:critic": 3.0,
+    }
+    # The critic's values (4-6) overlap the others for 2 s; its update (7-10) for 2 of 3.
+    assert m.overlap["score:critic"] == pytest.approx(1.0)
+    assert m.overlap["train:critic"] == pytest.approx(2 / 3)
+
+
+def test_fit_takes_the_side_groups_phases_as_their_phase():
+    """A critic group's forward and update are scoring and training programs: their
+    predicted over measured seconds join those phases' efficiencies; an interleaved run gives
+    no host time (its phases overlap)."""
+    shape = ScheduleShape(separated=False, staleness=0, sync_every=1, shared_host=False)
+    predicted = _estimate(
+        {
+            "generate": 1.0,
+            "score": 1.0,
+            "train": 1.0,
+            "sync": 0.0,
+            "score:critic": 1.0,
+            "train:critic": 3.0,
+        },  # fmt: skip
+        shape,
+    )
+    measured = Measurement(
+        "p",
+        {
+            "generate": 2.0,
+            "score": 1.0,
+            "train": 2.0,
+            "sync": 0.0,
+            "score:critic": 3.0,
+            "train:critic": 6.0,
+        },  # fmt: skip
+        11.0,
+    )
+    model = fit([(predicted, measured)], "p")
+    assert model.efficiency["generate"] == pytest.approx(0.5)
+    assert model.efficiency["score"] == pytest.approx(2.0 / 4.0)
+    assert model.efficiency["train"] == pytest.approx(4.0 / 8.0)
+    assert model.host_seconds == {}
+
+
 def test_plan_description():
     sep = {
         "placement": {
@@ -359,6 +450,14 @@ def test_plan_description():
     assert candidates.describe(sep, "grpo") == (
         "separated sampler 2:d2 learner 2:f2, staleness 1, remat full"
     )
+    inter = {
+        "placement": {
+            "strategy": "interleaved",
+            "critic": {"devices": [0], "mesh": {"data": 1, "fsdp": 1, "tensor": 1}},
+            "learner": {"devices": [1, 2], "mesh": {"data": 1, "fsdp": 1, "tensor": 2}},
+        },
+    }
+    assert candidates.describe(inter, "ppo") == "interleaved learner 2:t2 critic 1:d1"
 
 
 def test_memory_rejection_names_the_program():
@@ -414,8 +513,21 @@ def test_layouts_and_memory_variants_of_the_8b_recipe():
     layouts = list(candidates.layouts(cfg, 8, cpu=False))
     moved = [o for o in layouts if o["placement"]["reference"] == "sampler"]
     separated = [o for o in layouts if o["placement"]["strategy"] == "separated"]
-    assert len(layouts) - len(separated) == 46 and len(moved) == 18 and len(separated) == 36
+    interleaved = [o for o in layouts if o["placement"]["strategy"] == "interleaved"]
+    assert len(layouts) - len(separated) - len(interleaved) == 46
+    assert len(moved) == 18 and len(separated) == 36
     assert all(o["placement"]["strategy"] == "separated" for o in moved)
+    # Interleaved: the critic or the reference on 4 devices, the learner on the other 4
+    # (each of its 6 meshes); on 2 the learner's 6 or 3 data shards split no 16-row
+    # minibatch. The critic's mesh has the learner's data shards, tensor on the rest.
+    critic = [o["placement"] for o in interleaved if o["placement"]["critic"]]
+    own = [o["placement"] for o in interleaved if o["placement"]["reference"] == "own"]
+    assert len(critic) == 6 and len(own) == 6
+    for p in critic:
+        lm, cm = p["learner"]["mesh"], p["critic"]["mesh"]
+        assert (cm["data"], cm["fsdp"]) == (lm["data"], lm["fsdp"])
+        assert cm["data"] * cm["fsdp"] * cm["tensor"] == len(p["critic"]["devices"]) == 4
+        assert sorted(p["critic"]["devices"] + p["learner"]["devices"]) == list(range(8))
     lora = cfg.replace(lora=LoraConfig(rank=4))
     assert not candidates.reference_may_move(lora)
     assert len(list(candidates.layouts(lora, 8, cpu=False))) == 46 + 18

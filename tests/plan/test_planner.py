@@ -201,7 +201,81 @@ def test_plans_of_an_interleaved_run_are_valid_runs():
     assert len(overlays) > 2
     for overlay in overlays:
         placement = from_dict(merge_configs(RUN, {"placement": own}, overlay)).placement
-        assert placement.reference_group is None and placement.strategy != "interleaved"
+        if placement.strategy == "interleaved":  # GRPO: the reference's group, no critic
+            assert placement.reference == "own" and placement.critic is None
+            assert placement.reference_group.devices == (0,)
+            assert placement.learner.devices == (1,)
+        else:
+            assert placement.reference_group is None and placement.reference != "own"
+    assert sum(o["placement"]["strategy"] == "interleaved" for o in overlays) == 1
+
+
+PPO_RUN = {
+    "algorithm": "ppo",
+    "model": {"preset": "tiny", "num_layers": 4},
+    "data": {"max_length": 32, "max_prompt_length": 16, "eval_size": 0},
+    "ppo": {
+        "rollout": {"prompts_per_step": 4, "num_samples": 2, "max_new_tokens": 16},
+        "reward": {"function": "builtin"},
+    },
+}
+
+
+def test_an_interleaved_critic_is_priced_on_its_own_group():
+    """PPO with the critic on a group of its own (``interleaved``, the learner on device 0,
+    the critic on device 1) against the same run colocated on one device: the critic's value
+    forward and update are programs of the ``critic`` group (the dry run compiles them on
+    its mesh), the two updates' FLOPs add up to the joint update's, the critic's programs
+    hold the critic's state only, and the period is generate + the slower of each pair of
+    phases running at once (independent devices: hand-checked from the predicted phases).
+    The learner's state floor loses the critic's parameters and Adam moments."""
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    inter = {
+        "placement": {
+            "cpu_devices": 2,
+            "strategy": "interleaved",
+            "learner": {"devices": [0], "mesh": one},
+            "critic": {"devices": [1], "mesh": one},
+        },
+        "mesh": one,
+    }
+    alone = {"placement": {"cpu_devices": 2, "train_devices": 1}, "mesh": one}
+    cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 2)
+    model = estimate.CostModel()
+    cfg_i = from_dict(merge_configs(PPO_RUN, inter))
+    cfg_c = from_dict(merge_configs(PPO_RUN, alone))
+    split, joint = (estimate.estimate(c, cluster, model) for c in (cfg_i, cfg_c))
+    assert split.groups == {"learner": 1, "critic": 1}
+    programs = {(p.phase, p.name): p for p in split.programs}
+    critic = {k for k, p in programs.items() if p.group == "critic"}
+    assert critic == {("score", "values"), ("train", "update.critic")}
+    update = {p.name: p for p in joint.programs}["update"]
+    both = (
+        programs[("train", "update")].cost.flops + programs[("train", "update.critic")].cost.flops
+    )
+    assert both == pytest.approx(update.cost.flops, rel=0.01)
+    ph = split.phases
+    assert ph["score:critic"] == pytest.approx(programs[("score", "values")].seconds)
+    assert ph["train:critic"] == pytest.approx(programs[("train", "update.critic")].seconds)
+    assert ph["train"] == pytest.approx(programs[("train", "update")].seconds)
+    period = (
+        ph["generate"]
+        + ph["sync"]
+        + max(ph["score"], ph["score:critic"])
+        + max(ph["train"], ph["train:critic"])
+    )
+    assert split.iteration_s == pytest.approx(period)
+    # The critic's group holds its own state: its update's peak is below the policy's.
+    assert (
+        programs[("train", "update.critic")].peak_bytes < programs[("train", "update")].peak_bytes
+    )
+    scalar = model_lib.param_count(model_lib.abstract_params(cfg_i.model.resolve(), "scalar"))
+    assert estimate.state_floor(cfg_c) - estimate.state_floor(cfg_i) == 3 * 4 * scalar
+    # The planner offers it among a 2-device cluster's layouts.
+    layouts = list(candidates.layouts(from_dict(PPO_RUN), 2, cpu=True))
+    labels = [candidates.describe(o, "ppo") for o in layouts]
+    assert "interleaved learner 1:d1 critic 1:d1" in labels
+    assert "interleaved learner 1:d1 reference 1:d1" in labels
 
 
 def test_engine_generation_is_priced_on_the_length_distribution():
