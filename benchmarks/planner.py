@@ -2,7 +2,11 @@
 
 Six configurations of GRPO (workload R1's shapes: 8 prompts x 4 samples, 64 + 64 tokens):
 bench-S colocated on 1 and on 2 CPU devices, separated (sampler on device 0, learner on
-device 1) at staleness 0 and 1; bench-M colocated on 1 device and separated at staleness 1.
+device 1) at staleness 0 and 1; bench-M colocated on 1 device and separated at staleness 1
+(the default). Three more of PPO on bench-S (the same shapes with a critic, GAE; the
+cheap reward function, no reward model) on 2 CPU devices: colocated, separated at
+staleness 1, and interleaved (the critic on device 1, its value forward and update beside
+the policy's on device 0).
 For each: the planner's prediction at efficiency 1 (``estimate`` with a unit cost model:
 the programs compiled as the planner compiles them) and the measured steady-state seconds
 per iteration of a real ``python -m jaxrlhf.train`` run (``calibration.measure``, the
@@ -16,8 +20,9 @@ cluster (``--calibrate`` times the run being planned on the devices at hand) two
 Reported: predicted vs measured per configuration, the error of each, and whether the
 planner's top choice among each model size's configurations is the measured fastest.
 
-    python -m benchmarks.planner                  # all six (about 15 minutes on 2 cores)
+    python -m benchmarks.planner                  # the six (about 15 minutes on 2 cores)
     python -m benchmarks.planner --only S-col1 S-sep2-s1 --steps 6
+    python -m benchmarks.planner --only P-col2 P-sep2-s1 P-int2
 """
 
 from __future__ import annotations
@@ -30,21 +35,38 @@ import tempfile
 
 from jaxrlhf import platform
 
-CONFIGS = {
-    "S-col1": ("bench_s", 1, "colocated", 0),
-    "S-col2": ("bench_s", 2, "colocated", 0),
-    "S-sep2-s0": ("bench_s", 2, "separated", 0),
-    "S-sep2-s1": ("bench_s", 2, "separated", 1),
-    "M-col1": ("bench_m", 1, "colocated", 0),
-    "M-sep2-s1": ("bench_m", 2, "separated", 1),
+CONFIGS = {  # name: (preset, CPU devices, strategy, staleness, algorithm)
+    "S-col1": ("bench_s", 1, "colocated", 0, "grpo"),
+    "S-col2": ("bench_s", 2, "colocated", 0, "grpo"),
+    "S-sep2-s0": ("bench_s", 2, "separated", 0, "grpo"),
+    "S-sep2-s1": ("bench_s", 2, "separated", 1, "grpo"),
+    "M-col1": ("bench_m", 1, "colocated", 0, "grpo"),
+    "M-sep2-s1": ("bench_m", 2, "separated", 1, "grpo"),
+    "P-col2": ("bench_s", 2, "colocated", 0, "ppo"),
+    "P-sep2-s1": ("bench_s", 2, "separated", 1, "ppo"),
+    "P-int2": ("bench_s", 2, "interleaved", 0, "ppo"),
 }
+SIX = [n for n, c in CONFIGS.items() if c[4] == "grpo"]
 ONE = {"data": 1, "fsdp": 1, "tensor": 1}
 
 
-def run_config(preset: str) -> dict:
-    """R1's shapes as a config mapping (the reward: rl_step's cheap function)."""
+def run_config(preset: str, algorithm: str = "grpo") -> dict:
+    """R1's shapes as a config mapping (the reward: rl_step's cheap function); PPO: the same
+    with a critic (R2 without its reward model), GAE with gamma 1, lambda 0.95."""
+    section = {
+        "rollout": {
+            "prompts_per_step": 8,
+            "num_samples": 4,
+            "max_new_tokens": 64,
+            "stop_at_eos": False,
+        },
+        "loss": {"kl_coef": 0.04, "kl_mode": "loss", "kl_estimator": "k3"},
+        "reward": {"function": "benchmarks.rl_step.cheap_reward"},
+    }
+    if algorithm == "ppo":
+        section.update(gamma=1.0, lam=0.95)
     return {
-        "algorithm": "grpo",
+        "algorithm": algorithm,
         "model": {"preset": preset},
         "data": {
             "train": "builtin:sort",
@@ -55,20 +77,11 @@ def run_config(preset: str) -> dict:
         },
         "optimizer": {"lr": 1e-6, "schedule": "constant"},
         "train": {"steps": 4},
-        "grpo": {
-            "rollout": {
-                "prompts_per_step": 8,
-                "num_samples": 4,
-                "max_new_tokens": 64,
-                "stop_at_eos": False,
-            },
-            "loss": {"kl_coef": 0.04, "kl_mode": "loss", "kl_estimator": "k3"},
-            "reward": {"function": "benchmarks.rl_step.cheap_reward"},
-        },
+        algorithm: section,
     }
 
 
-def overlay(devices: int, strategy: str, staleness: int) -> dict:
+def overlay(devices: int, strategy: str, staleness: int, algorithm: str = "grpo") -> dict:
     if devices == 1:
         return {"placement": {"cpu_devices": 1}, "mesh": ONE}
     if strategy == "colocated":  # the best synchronous 2-device placement (RESULTS.md)
@@ -80,6 +93,16 @@ def overlay(devices: int, strategy: str, staleness: int) -> dict:
             },
             "mesh": ONE,
         }
+    if strategy == "interleaved":  # PPO's critic on device 1, the rest on device 0
+        return {
+            "placement": {
+                "cpu_devices": 2,
+                "strategy": "interleaved",
+                "learner": {"devices": [0], "mesh": ONE},
+                "critic": {"devices": [1], "mesh": ONE},
+            },
+            "mesh": ONE,
+        }
     return {
         "placement": {
             "cpu_devices": 2,
@@ -88,7 +111,7 @@ def overlay(devices: int, strategy: str, staleness: int) -> dict:
             "learner": {"devices": [1], "mesh": ONE},
         },
         "mesh": ONE,
-        "grpo": {
+        algorithm: {
             "rollout": {"max_staleness": staleness},
             "loss": {"rollout_correction": {"weights": "truncate", "cap": 2.0}}
             if staleness
@@ -99,7 +122,7 @@ def overlay(devices: int, strategy: str, staleness: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=SIX)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the results here too")
@@ -120,8 +143,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as root:
         for name in args.only:
-            preset, devices, strategy, staleness = CONFIGS[name]
-            data = merge(run_config(preset), overlay(devices, strategy, staleness))
+            preset, devices, strategy, staleness, algorithm = CONFIGS[name]
+            data = merge(
+                run_config(preset, algorithm), overlay(devices, strategy, staleness, algorithm)
+            )
             cfg = from_dict(data, source=name)
             compiled = compile_plan(cfg, name)
             cluster = parse_cluster(f"cpu-{devices}", cpu=cpu)
@@ -144,7 +169,7 @@ def main() -> None:
     # A cost model belongs to the run and the cluster it was calibrated on (--calibrate
     # times the run being planned on the devices at hand): fitted per model and device count.
     def group(row):
-        return (row[1], row[3].count)
+        return (row[1], row[2].algorithm, row[3].count)
 
     out = []
     print(f"\n{'config':<10} {'measured':>9} {'in-sample':>10} {'err':>6} {'loo':>8} {'err':>6}")
@@ -172,7 +197,7 @@ def main() -> None:
         )
     for key in sorted({group(r) for r in rows}):
         mine = [o for r, o in zip(rows, out, strict=True) if group(r) == key]
-        print(f"{key[0]} on cpu-{key[1]}: cost model {json.dumps(mine[0]['model'])}")
+        print(f"{key[0]} {key[1]} on cpu-{key[2]}: cost model {json.dumps(mine[0]['model'])}")
         if len(mine) > 1:
             best_pred = min(mine, key=lambda o: o["in_sample_s"])["config"]
             best_meas = min(mine, key=lambda o: o["measured_s"])["config"]

@@ -106,11 +106,11 @@ def layouts(cfg: RunConfig, devices: int, cpu: bool) -> Iterator[dict[str, Any]]
                     "reference": reference,
                 }
                 yield {"placement": placement, "mesh": lmesh}
-    yield from _interleaved(cfg, model, devices, base)
+    yield from _interleaved(cfg, model, devices, base, cpu)
 
 
 def _interleaved(
-    cfg: RunConfig, model: ModelConfig, devices: int, base: dict[str, Any]
+    cfg: RunConfig, model: ModelConfig, devices: int, base: dict[str, Any], cpu: bool
 ) -> Iterator[dict[str, Any]]:
     """Interleaved plans (2+ devices): PPO's critic on a group of its own (the first 1/4
     or 1/2 of the devices, with the learner's data shards: the two updates split the rollout
@@ -118,7 +118,9 @@ def _interleaved(
     frozen base the dry run would count on the learner's group only), or the reference on
     a group of its own (``reference: own``, the run permitting: :func:`reference_may_move`;
     its data shards splitting the rollout's rows); the policy and the sampler on the rest,
-    each learner mesh."""
+    each learner mesh. On CPU devices one of the two groups has one device (two programs
+    spanning several CPU devices at once need more XLA:CPU client threads than a process
+    has by default: the trainer refuses them, ``rl_async.check_concurrency``)."""
     if devices < 2:
         return
     algo = rl_section(cfg)
@@ -126,6 +128,8 @@ def _interleaved(
     sizes = sorted({max(1, round(devices * f)) for f in (0.25, 0.5)})
     hydra = cfg.algorithm == "ppo" and cfg.ppo.hydra
     for k in sizes:
+        if cpu and min(k, devices - k) > 1:
+            continue
         learner_meshes = _meshes(model, devices - k)
         placement = {**base, "strategy": "interleaved"}
         group = {"devices": list(range(k))}

@@ -163,19 +163,19 @@ def iteration_tasks(
     (the sync after it, which the sampler runs between its batches); ``score_i`` and
     ``train_i`` run on ``learner``. A side group scores rollout ``i`` beside the learner's
     ``score_i`` (both after ``generate_i``) and updates beside ``train_i`` (both once every
-    forward is in: the advantages need them); a colocated iteration's next sync waits for
-    both updates.
+    forward is in: the advantages need them); the next iteration's scoring, and the weight
+    sync, wait for both updates (the trainer learns one iteration at a time).
     """
     side = side_phases(phases)
     tasks: list[Task] = []
 
-    def scoring(i: int, gen: str) -> tuple[str, ...]:
-        """Rollout ``i``'s scoring tasks (learner and side groups) after ``gen``."""
-        tasks.append(Task(f"score{i}", (main,), phases["score"], (gen,)))
+    def scoring(i: int, after: tuple[str, ...]) -> tuple[str, ...]:
+        """Rollout ``i``'s scoring tasks (learner and side groups) after ``after``."""
+        tasks.append(Task(f"score{i}", (main,), phases["score"], after))
         names = [f"score{i}"]
         for group, ph in side.items():
             if ph.get("score", 0.0) > 0:
-                tasks.append(Task(f"score{i}:{group}", (group,), ph["score"], (gen,)))
+                tasks.append(Task(f"score{i}:{group}", (group,), ph["score"], after))
                 names.append(f"score{i}:{group}")
         return tuple(names)
 
@@ -198,10 +198,11 @@ def iteration_tasks(
                 tasks.append(Task(f"sync{i}", (main,), phases["sync"], prev))
                 prev = (f"sync{i}",)
             tasks.append(Task(f"generate{i}", (main,), phases["generate"], prev))
-            prev = updates(i, scoring(i, f"generate{i}"))
+            prev = updates(i, scoring(i, (f"generate{i}",)))
         return tasks
     main = "learner"
     synced: dict[int, str] = {}  # update index -> the sync task that carried its weights
+    learned: tuple[str, ...] = ()  # the previous iteration's updates (all its groups')
     for i in range(iterations):
         deps = []
         needed = i - 1 - max_staleness  # the oldest update this rollout may lag behind
@@ -215,9 +216,11 @@ def iteration_tasks(
                 )
             deps.append(carrier)
         tasks.append(Task(f"generate{i}", ("sampler",), phases["generate"], tuple(deps)))
-        updates(i, scoring(i, f"generate{i}"))
+        # The learner takes one iteration at a time: its next scoring (and a side group's)
+        # waits for every update of the last, and so does the weight sync.
+        learned = updates(i, scoring(i, (f"generate{i}", *learned)))
         if (i + 1) % weight_sync_every == 0:
             # The sampler takes the new weights between its batches: the copy occupies it.
-            tasks.append(Task(f"sync{i}", ("sampler",), phases["sync"], (f"train{i}",)))
+            tasks.append(Task(f"sync{i}", ("sampler",), phases["sync"], learned))
             synced[i] = f"sync{i}"
     return tasks

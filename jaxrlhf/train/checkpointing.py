@@ -55,13 +55,21 @@ def abstract_like(tree: Any) -> Any:
 
 
 @jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+def _finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _all_finite(tree: Any) -> bool:
+    """Whether every floating-point leaf of ``tree`` is finite: one program per set of
+    devices the leaves live on (a placement's groups hold different roles' states, and one
+    program cannot take arrays from disjoint device sets)."""
+    by_devices: dict[Any, list[jax.Array]] = {}
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            devices = getattr(getattr(x, "sharding", None), "device_set", None)
+            key = frozenset(devices) if devices is not None else None
+            by_devices.setdefault(key, []).append(x)
+    return all(bool(_finite(leaves)) for leaves in by_devices.values())
 
 
 class RunCheckpointer:
@@ -113,7 +121,7 @@ class RunCheckpointer:
             if wait:
                 self.wait()
             return
-        if not bool(_all_finite(arrays)):
+        if not _all_finite(arrays):
             raise NonFiniteStateError(
                 f"step {step}: the run state has non-finite values; not saving a checkpoint "
                 f"(the newest good one is step {self.last_saved} in {self.directory})"

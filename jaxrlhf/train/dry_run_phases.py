@@ -160,6 +160,7 @@ class Planner:
         self.generate_mesh = mesh if generate_mesh is None else generate_mesh
         self.reference_mesh = reference_mesh  # placement.reference: own; else None
         self.critic_mesh = critic_mesh  # interleaved with a critic group; else None
+        self.critic_params: Any = None  # its params as its value forward takes them
         self.trees: dict[str, tuple[Any, Any]] = {}  # name -> (abstract, shardings)
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []

@@ -320,7 +320,7 @@ def _plan_score(pl, programs, held, models, rm_params):
         score.output_shardings,
     )
     if pl.critic_mesh is not None:  # interleaved: the critic's values on its own group
-        value = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), *pl.trees["value.params"])
+        value = pl.critic_params  # as the score program would take them (LoRA: with its base)
         critic_batch = jax.tree.map(
             lambda x: sds(x.shape, x.dtype, programs.critic_rows(x.ndim)),
             batch.replace(turn_rewards=None, ref_logprobs=None),
@@ -331,7 +331,7 @@ def _plan_score(pl, programs, held, models, rm_params):
             programs.score_values,
             (value, critic_batch, packed),
             live=_critic_trees(held),
-            passed=["value.params"],
+            passed=[n for n in _critic_trees(held) if n != "value.opt"],
             runs=programs.layout.rl.score_micro,
             group="critic",
         )
@@ -387,7 +387,7 @@ def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
         "reference",
         programs.reference_apart,
         (ref, batch, packed),
-        live=[*held, *copies],
+        live=["reference.params"] if own else [*held, *copies],
         passed=["reference.params"],
         runs=programs.reference_planner.score_micro,  # map_micro's scan body is one micro-batch
         group="reference_group" if own else "",
@@ -445,9 +445,26 @@ def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple,
                 value_lora.trainable,
             )
             held += ["value.params", "value.opt"]
-            if programs.algo.critic_init == "policy":  # shares the policy's base decoder
-                value_base = {"decoder": frozen[0]["decoder"]}
+            if programs.algo.critic_init == "policy" and pl.critic_mesh is None:
+                value_base = {"decoder": frozen[0]["decoder"]}  # the policy's base decoder
                 pl.notes.append("the LoRA critic shares the policy's frozen base (no copy)")
+            elif programs.algo.critic_init == "policy":  # interleaved: a copy on its devices
+                value_base = pl.add(
+                    "value.base",
+                    {"decoder": value_lora.frozen["decoder"]},
+                    {"decoder": value_lora.frozen_shardings["decoder"]},
+                )
+                pl.roles.append(
+                    RoleMemory(
+                        "base",
+                        value_lora.head,
+                        model_lib.param_count(value_base),
+                        pl.nbytes("value.base"),
+                        note="a copy of the policy's frozen base on the critic's devices",
+                    )
+                )
+                held.append("value.base")
+                passed.append("value.base")
             else:
                 value_base = pl.frozen_tree("value.base", value_lora, "frozen critic weights")
                 held.append("value.base")
@@ -457,6 +474,7 @@ def _rl_learners(pl: Planner, programs: RLPrograms) -> tuple[list, tuple, tuple,
         passed.append("value.params")
         states.append(value)
         if pl.critic_mesh is not None:  # interleaved: its values are scored on its group
+            pl.critic_params = models[-1]
             models[-1] = None
             passed = [n for n in passed if not n.startswith("value.")]
     else:

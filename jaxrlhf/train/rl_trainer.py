@@ -691,7 +691,7 @@ class RLTrainer:
             batch = batch.replace(packing=programs.put_rows(update_plan.packing))
         packed_rows = update_plan and update_plan.rows
         if programs.critic_mesh is not None:
-            update, update_metrics = self._update_interleaved(batch, key, packed_rows)
+            update, update_metrics = self._update_interleaved(batch, key, packed_rows, t_update)
         else:
             states = (self.policy_state,) + (
                 () if self.value_state is None else (self.value_state,)
@@ -705,7 +705,10 @@ class RLTrainer:
                 self.value_state = states[1]
             update_metrics = to_host(update.metrics)
         timings["time/train_s"] = time.perf_counter() - start
-        self.timeline.record("update", "learner", self.steps_done, t_update, self.timeline.now())
+        if programs.critic_mesh is None:  # (an interleaved update records the learner's own)
+            self.timeline.record(
+                "update", "learner", self.steps_done, t_update, self.timeline.now()
+            )
         filled = update.outputs.fill(batch)
         self.last_scored = scored.replace(
             old_logprobs=filled.old_logprobs,
@@ -791,12 +794,13 @@ class RLTrainer:
         return with_ref.ref_logprobs, seconds
 
     def _update_interleaved(
-        self, batch: LearnerBatch, key: jax.Array, packed_rows: int | None
+        self, batch: LearnerBatch, key: jax.Array, packed_rows: int | None, start: float
     ) -> tuple[Any, dict]:
         """``interleaved``: the critic's update on its devices (dispatched from a host thread)
         while the policy's runs on the learner's; the same key and packing plan, so the same
-        minibatches as the joint update. Returns the policy's UpdateOutput and both updates'
-        metrics."""
+        minibatches as the joint update. The learner's update is recorded on the timeline
+        from ``start`` to when the policy's is done (not when the critic's is: each group's
+        own time). Returns the policy's UpdateOutput and both updates' metrics."""
         programs = self.programs
         critic_batch = programs.put_critic_rows(batch)
         critic_key = jax.device_put(key, NamedSharding(programs.critic_mesh, P()))
@@ -816,6 +820,7 @@ class RLTrainer:
                 (self.policy_state,), batch, key, (self.policy_frozen,), packed_rows
             )
             metrics = to_host(update.metrics)
+            self.timeline.record("update", "learner", self.steps_done, start, self.timeline.now())
             self.value_state, critic_metrics = future.result()
         return update, {**critic_metrics, **metrics}
 

@@ -249,11 +249,14 @@ def test_interleaved_iteration_by_hand():
     reference = {**phases, "score:reference": 4.0}
     tasks = iteration_tasks(reference, separated=False, iterations=n)
     assert _period(tasks, n) == pytest.approx(9.0)
-    # With a sampler group of its own at staleness 1 the sampler's 6 s + 0.5 s copy set the
-    # pace; the learner's and the critic's 2 + 5 = 7 s (the slower side of each stage) do.
-    sampler = {**critic, "generate": 6.0, "sync": 0.5}
-    stale = iteration_tasks(sampler, separated=True, iterations=10, max_staleness=1)
-    assert _period(stale, 10) == pytest.approx(7.0)
+    # With a sampler group of its own at staleness 1 the sampler's 1 s + 0.1 s copy is not
+    # the pace: the learner's iteration is, the slower side of each stage one after the
+    # other, max(4, 1) + max(1, 4) = 8 s (the learner's next forward waits for the critic's
+    # update: the trainer learns one iteration at a time).
+    crossed = {"generate": 1.0, "score": 4.0, "train": 1.0, "sync": 0.1}
+    crossed.update({"score:critic": 1.0, "train:critic": 4.0})
+    stale = iteration_tasks(crossed, separated=True, iterations=10, max_staleness=1)
+    assert _period(stale, 10) == pytest.approx(8.0)
 
 
 # ---- clusters, memory, calibration, overlays ------------------------------------------------

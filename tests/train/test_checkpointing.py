@@ -300,6 +300,37 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, async_save):
     ckpt.close()
 
 
+def test_a_state_on_two_device_groups_saves_restores_and_is_checked(tmp_path):
+    """An interleaved placement keeps the policy's state on the learner's devices and the
+    critic's on its own: the save's finiteness check runs per device set (one program over
+    both raised "incompatible devices" at the end of such a run), the restore puts each
+    array back on its devices bitwise, and a NaN on the second group is still refused."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxrlhf.train.checkpointing import NonFiniteStateError
+
+    first, second = (SingleDeviceSharding(d) for d in jax.devices()[:2])
+    state = {
+        "policy": jax.device_put(jnp.arange(6.0), first),
+        "critic": {"w": jax.device_put(jnp.arange(4.0) / 3, second)},
+        "step": jax.device_put(jnp.asarray(3, jnp.int32), second),
+    }
+    ckpt = RunCheckpointer(str(tmp_path / "ckpt"), CheckpointConfig(async_save=False))
+    ckpt.save(1, state, {"step": 1}, wait=True)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    arrays, _ = ckpt.restore(1, target)
+    for got, want in zip(jax.tree.leaves(arrays), jax.tree.leaves(state), strict=True):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    bad = {**state, "critic": {"w": jax.device_put(jnp.array([1.0, np.nan]), second)}}
+    with pytest.raises(NonFiniteStateError, match="step 2: the run state has non-finite"):
+        ckpt.save(2, bad, {"step": 2}, wait=True)
+    assert ckpt.latest() == 1
+    ckpt.close()
+
+
 def test_resume_errors_are_one_line(tmp_path, capsys):
     run_dir = tmp_path / "run"
     base = [

@@ -302,6 +302,68 @@ def test_plan_with_the_reference_apart(tmp_path, placement, phase, where):
     assert planned["score"].argument_bytes < planned["reference"].argument_bytes
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_plan_of_an_interleaved_critic_matches_real_run(tmp_path, lora):
+    """``interleaved`` PPO (learner on devices 0-1, critic on 2-3 with the learner's two data
+    shards): the dry run compiles the critic's value forward and update on the critic's
+    mesh, each holding the critic's trees only (with LoRA, its own copy of the frozen
+    base, as the trainer places it), and the learner's programs without them; the real
+    run's programs match."""
+    raw = {
+        "algorithm": "ppo",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny"},
+        "data": {"train": "builtin:sort", "max_length": 32, "max_prompt_length": 16},
+        "mesh": {"data": 2, "fsdp": 1, "tensor": 1},
+        "train": {"steps": 1},
+        "logging": {"progress": "none"},
+        "placement": {
+            "strategy": "interleaved",
+            "learner": {"devices": [0, 1]},
+            "critic": {"devices": [2, 3], "mesh": {"data": 2, "fsdp": 1, "tensor": 1}},
+        },
+        "ppo": {
+            "rollout": {"prompts_per_step": 4, "max_new_tokens": 6, "pack_buckets": 1},
+            "reward": {"function": "builtin"},
+        },
+        **({"lora": {"rank": 4}} if lora else {}),
+    }
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(str(path))
+    report = dry_run.plan(cfg)
+    planned = {p.name: p for p in report.programs}
+    assert {n for n, p in planned.items() if p.group == "critic"} == {"values", "update.critic"}
+    roles = {(r.role, r.head): r for r in report.roles}
+    value = roles[("value", "scalar")]
+    base = roles.get(("base", "scalar"))  # LoRA: the critic's copy of the frozen base
+    assert (base is not None) == lora
+    critic_state = value.param_bytes + value.optimizer_bytes + (base.param_bytes if base else 0)
+    assert planned["update.critic"].state_bytes == critic_state
+    assert planned["update.critic"].resident_bytes == 0  # its whole state is its arguments
+    assert planned["values"].resident_bytes == value.optimizer_bytes
+
+    trainer = build_rl_trainer(cfg)
+    rec = Recorder()
+    trainer.programs = dataclasses.replace(
+        trainer.programs,
+        **{
+            name: rec.wrap(name, getattr(trainer.programs, name))
+            for name in ("score_values", "update_value", "update")
+        },
+    )
+    trainer.step()
+    for name, real in (("values", "score_values"), ("update.critic", "update_value")):
+        _assert_program_matches(planned[name], rec.memory(real))
+    _assert_program_matches(planned["update"], rec.memory("update"))
+    # The learner's devices hold no critic: their update's state is the policy's and the
+    # reference's alone.
+    learner = [r for r in report.roles if r.role in ("policy", "reference")]
+    learner_base = [r for r in report.roles if r.role == "base" and r.head == "lm"]
+    want = sum(r.param_bytes + r.optimizer_bytes for r in learner + learner_base)
+    assert planned["update"].state_bytes == want
+
+
 def test_sft_plan_matches_real_run(tmp_path):
     cfg = helpers.config("tiny_sft", tmp_path, "mesh.fsdp=8", "train.micro_batch_size=2")
     mesh = helpers.mesh(1, 8, 1)
