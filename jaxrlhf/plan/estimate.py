@@ -27,7 +27,8 @@ staleness). :func:`estimate` prices it:
 
 Assumptions (stated in every report): the response lengths (``--lengths``; by default every
 sample generates ``max_new_tokens`` tokens; the static sampler decodes that many steps
-whatever the lengths); scoring and the update at their largest packed size; programs
+whatever the lengths); sequence-packed scoring and the update at the packed size the
+trainer's planner picks for those lengths (:func:`_packed_costs`); programs
 compiled by XLA:CPU (its fusion and cost analysis stand in for the accelerator's); the
 update's optimizer step is counted once per micro-batch (an overestimate when
 ``num_micro > 1``); a host reward function costs what the cost model says (0 uncalibrated).
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from jaxrlhf.config import ConfigError, RunConfig
+from jaxrlhf.models.packing import bucket_sizes
 from jaxrlhf.plan.hardware import Cluster
 from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_replay
 from jaxrlhf.plan.simulator import Schedule, iteration_tasks, simulate
@@ -236,7 +238,9 @@ def _affine(a: float, b: float, at: int, step: int, depth: int) -> float:
     return a + (depth - at) * (b - a) / step
 
 
-def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any, Any]:
+def _compiled_programs(
+    cfg: RunConfig, source: str, packed_sizes: bool = False
+) -> tuple[list, int, Any, Any]:
     """The dry run's programs at the model's depth: ``[(phase, name, runs, cost, peak)]``,
     the weight-sync bytes, a report (for its source) and the rollout engine's
     :class:`~jaxrlhf.train.dry_run.EngineLayout` (None without the engine).
@@ -250,12 +254,16 @@ def _compiled_programs(cfg: RunConfig, source: str) -> tuple[list, int, Any, Any
     from jaxrlhf.train import dry_run
 
     depth = cfg.model.resolve().num_layers
+
+    def plan(c: RunConfig) -> Any:
+        return dry_run.plan(c, source=source, packed_sizes=packed_sizes)
+
     if depth <= FULL_DEPTH_LAYERS:  # shallow enough to compile as it is
-        report = dry_run.plan(cfg, source=source)
+        report = plan(cfg)
         programs = [(p.phase, p.name, p.runs, p.cost, p.peak_bytes) for p in report.programs]
         return programs, _sync_bytes(report), report, report.engine_layout
-    one, two = (dry_run.plan(with_layers(cfg, k, "unroll"), source=source) for k in (1, 2))
-    low, high = (dry_run.plan(with_layers(cfg, k, "scan"), source=source) for k in (2, 4))
+    one, two = (plan(with_layers(cfg, k, "unroll")) for k in (1, 2))
+    low, high = (plan(with_layers(cfg, k, "scan")) for k in (2, 4))
     programs = []
     for a, b, m2, m4 in zip(one.programs, two.programs, low.programs, high.programs, strict=True):
         peak = _affine(m2.peak_bytes, m4.peak_bytes, 2, 2, depth)
@@ -318,6 +326,96 @@ def _engine_runs(
     for view, count in collections.Counter(replay.views).items():
         total = total + (full if view is None else view_cost(*view)).scale(count)
     return runs, total.scale(1 / replay.chunks)
+
+
+def _packed_costs(
+    cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan
+) -> dict[str, tuple[set[str], Callable[[ProgramCost], ProgramCost]]]:
+    """Per sequence-packed phase (``score``, ``train``): its packed programs and how one's
+    cost at the largest packed size becomes its cost at the packed size the trainer's own
+    planner (``rl_packing.PackingPlanner``) picks for rows of ``lengths``.
+
+    The learner's program (``score``, ``update``) is compiled at the largest size ``M``
+    and, with ``compile_plan(packed_sizes=True)``, at the smallest ``S``: its cost at ``m``
+    packed rows per shard is the line through the two (each packed row is ``T`` slots, so
+    a pass is affine in ``m``; the intercept is what does not grow with rows, e.g. the
+    optimizer step). The phase's other packed programs (the reward model, a critic's or a
+    reference's own forward and update) are scaled by the same ratio, field by field. The
+    rows: the rollout's prompt groups with full-length prompts and the lengths' responses
+    (``LengthModel.lengths``, as the engine replay draws them). Empty when the lengths
+    are the budget's (nothing shrinks), or the phase does not pack or was compiled at one
+    size only."""
+    from jaxrlhf.config import rl_section
+    from jaxrlhf.train.dry_run_rl import packed_program_name
+
+    planner = compiled.packing
+    if planner is None or lengths.kind == "budget":
+        return {}
+    r = rl_section(cfg).rollout
+    rows, prompt, t = r.rows, cfg.data.max_prompt_length, r.max_new_tokens
+    drawn = np.asarray(lengths.lengths(rows, t))
+    mask = np.zeros((rows, prompt + t), bool)
+    mask[:, :prompt] = True
+    mask[:, prompt:] = np.arange(t)[None, :] < drawn[:, None]
+    tokens = np.zeros(mask.shape, np.int32)
+    tokens[:, :prompt] = 1 + np.arange(rows)[:, None] // r.num_samples  # a prompt per group
+    import jax
+
+    plans = {
+        "score": ("score", planner.score_rows, planner.score(tokens, mask)),
+        "train": ("update", planner.update_rows, planner.update(tokens, mask, jax.random.key(0))),
+    }
+    costs = {(ph, name): c for ph, name, _, c, _ in compiled.programs}
+    out = {}
+    for phase, (name, largest, plan) in plans.items():
+        if not largest or plan is None:
+            continue
+        small = bucket_sizes(largest, planner.buckets)[0]
+        low = costs.get((phase, packed_program_name(name, small)))
+        high = costs.get((phase, name))
+        if low is None or high is None or plan.rows == largest:
+            continue
+        at = _line(low, high, small, largest, plan.rows)
+        ratio = (
+            at.flops / high.flops if high.flops else 1.0,
+            at.bytes_accessed / high.bytes_accessed if high.bytes_accessed else 1.0,
+        )
+
+        def scaled(c: ProgramCost, high=high, at=at, ratio=ratio) -> ProgramCost:
+            if c is high:
+                return at
+            return ProgramCost(
+                c.flops * ratio[0],
+                c.bytes_accessed * ratio[1],
+                tuple((g, b * ratio[1]) for g, b in c.collectives),
+                c.devices,
+            )
+
+        names = {
+            n
+            for ph, n, runs, _, _ in compiled.programs
+            if ph == phase and runs > 0 and n != "admit"
+        }
+        out[phase] = (names, scaled)
+    return out
+
+
+def _line(low: ProgramCost, high: ProgramCost, a: int, b: int, x: int) -> ProgramCost:
+    """The cost at ``x`` on the line through ``low`` (at ``a``) and ``high`` (at ``b``),
+    field by field, clamped at 0."""
+    w = (x - a) / (b - a)
+
+    def at(u: float, v: float) -> float:
+        return max(0.0, u + w * (v - u))
+
+    lc, hc = dict(low.collectives), dict(high.collectives)
+    groups = sorted(set(lc) | set(hc))
+    return ProgramCost(
+        at(low.flops, high.flops),
+        at(low.bytes_accessed, high.bytes_accessed),
+        tuple((g, at(lc.get(g, 0.0), hc.get(g, 0.0))) for g in groups),
+        high.devices,
+    )
 
 
 def view_cost_model(
@@ -414,19 +512,24 @@ class CompiledPlan:
     source: str
     engine_layout: Any = None  # jaxrlhf.train.dry_run.EngineLayout with the rollout engine
     groups: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    packing: Any = None  # the run's rl_packing.PackingPlanner (its packed sizes)
 
 
-def compile_plan(cfg: RunConfig, source: str = "<plan>") -> CompiledPlan:
+def compile_plan(
+    cfg: RunConfig, source: str = "<plan>", packed_sizes: bool = False
+) -> CompiledPlan:
     """Compiles ``cfg``'s programs (this process must have the devices its placement
-    names, as CPU devices) and extrapolates them to the model's depth.
+    names, as CPU devices) and extrapolates them to the model's depth. ``packed_sizes``:
+    also the sequence-packed scoring and update at their smallest packed size, so that
+    :func:`estimate` prices them at the packed size a length distribution gives.
 
     Raises:
       ConfigError, MeshError, ShardingRuleError, DryRunError: the plan is not a valid run
         (:func:`invalid_plan_errors`).
     """
-    programs, sync, report, layout = _compiled_programs(cfg, source)
+    programs, sync, report, layout = _compiled_programs(cfg, source, packed_sizes)
     groups = {(p.phase, p.name): SIDE_GROUPS[p.group] for p in report.programs if p.group}
-    return CompiledPlan(tuple(programs), sync, report.source, layout, groups)
+    return CompiledPlan(tuple(programs), sync, report.source, layout, groups, report.packing)
 
 
 def estimate(
@@ -461,12 +564,15 @@ def estimate(
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
     engine = _engine_runs(cfg, lengths, compiled)
+    packed = _packed_costs(cfg, lengths, compiled)
     for phase, name, runs, cost, peak in programs:
         priced_cost = cost
         if engine is not None and phase == "generate" and name in engine[0]:
             runs = engine[0][name]
             if name == "decode" and engine[1] is not None:  # the views' mean step
                 priced_cost = engine[1]
+        if phase in packed and name in packed[phase][0]:  # at the lengths' packed size
+            priced_cost = packed[phase][1](cost)
         one = roofline_seconds(priced_cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
         # The reference's forward on the sampler's group (placement.reference: sampler) is
         # a scoring forward in the sampler's time: scoring's efficiency, generate's devices.

@@ -27,8 +27,10 @@ __all__ = ["cli", "format_plans", "read_run"]
 
 _ASSUMPTIONS = (
     "the static sampler decodes max_new_tokens steps per row; the rollout engine's chunks "
-    "and admissions replayed on those lengths (its ragged-tail views priced as full chunks); "
-    "scoring and the update at their largest packed size; costs from XLA:CPU's compilation of the "
+    "and admissions replayed on those lengths (its ragged-tail views priced from the views "
+    "it compiles); sequence-packed scoring and the update at the packed size the trainer "
+    "picks for those lengths (affine between their smallest and largest packed sizes, both "
+    "compiled); costs from XLA:CPU's compilation of the "
     "trainers' programs on fake devices (its cost analysis per device; models over 16 layers "
     "extrapolated from 1-4 layer compiles); roofline at the device kind's peaks divided by "
     "each phase's efficiency (uncalibrated: generate 0.5, score 0.5, train 0.4, sync 0.7), "

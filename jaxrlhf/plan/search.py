@@ -61,6 +61,8 @@ class Searcher:
     ):
         self.base, self.cluster, self.source, self.log = base, cluster, source, log
         self.lengths = lengths  # the response lengths generation is priced at
+        # Shorter responses pack into fewer rows: price scoring and the update at that size.
+        self.packed_sizes = lengths.kind != "budget"
         self.cfg = from_dict(base, source=source)
         self.evaluated: list[Evaluated] = []
         self._by_layout: dict[str, tuple[float, Evaluated | None]] = {}
@@ -104,7 +106,7 @@ class Searcher:
                     self.evaluated.append(Evaluated(plan, label, None, why))
                     self.log(f"  {label}: rejected, {why}")
                     continue
-                compiled = compile_plan(cfg, self.source)
+                compiled = compile_plan(cfg, self.source, self.packed_sizes)
             except invalid_plan_errors() as e:
                 self.evaluated.append(Evaluated(plan, label, None, _first_line(e)))
                 if "micro" in str(e) or "rollout.slots" in str(e):
@@ -138,7 +140,9 @@ class Searcher:
             try:
                 cfg = self.config(overlay)
                 self._exact[key] = Evaluated(
-                    overlay, candidates.describe(overlay, self.cfg.algorithm), compile_plan(cfg)
+                    overlay,
+                    candidates.describe(overlay, self.cfg.algorithm),
+                    compile_plan(cfg, packed_sizes=self.packed_sizes),
                 )
             except invalid_plan_errors() as e:
                 return f"not a valid run: {_first_line(e)}"

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -187,6 +188,7 @@ class DryRunReport:
     critic_bytes: tuple[int, int] | None = None  # Hydra critic: (its, a separate one's) per device
     reshard_bytes: int = 0  # RL: bytes a sampler device receives when the policy moves to it
     engine_layout: EngineLayout | None = None  # RL with the rollout engine: its slots
+    packing: Any = None  # RL: the run's rl_packing.PackingPlanner (its packed sizes)
 
     @property
     def devices(self) -> int:
@@ -280,6 +282,7 @@ def plan(
     override_paths: Sequence[str] | Mapping[str, str] = (),
     device_memory: int | None = None,
     device_label: str = "",
+    packed_sizes: bool = False,
 ) -> DryRunReport:
     """Compiles every phase of ``cfg`` against abstract inputs and reports its memory.
 
@@ -291,6 +294,9 @@ def plan(
         ``config.from_dict`` takes them).
       device_memory: bytes per device to check the peak against (None: not checked).
       device_label: how to name that memory in the verdict.
+      packed_sizes: also compile the sequence-packed scoring and update programs at their
+        smallest packed size (``score@M``, ``update@M``: M packed rows per shard; run 0
+        times), for the planner to price smaller packed sizes.
 
     Raises:
       ConfigError, MeshError, ShardingRuleError: one-line user errors.
@@ -342,6 +348,7 @@ def plan(
     )
     model_cfg = layout.model
     planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh, ref_mesh, critic_mesh)
+    planner.packed_sizes = packed_sizes
     if cfg.algorithm in RL_ALGORITHMS:
         shapes = dry_run_rl.plan_rl(planner, layout)
     else:
@@ -370,6 +377,7 @@ def plan(
         critic_bytes=planner.critic_bytes,
         reshard_bytes=planner.reshard_bytes,
         engine_layout=planner.engine_layout,
+        packing=planner.packing,
     )
 
 

@@ -161,6 +161,8 @@ class Planner:
         self.reference_mesh = reference_mesh  # placement.reference: own; else None
         self.critic_mesh = critic_mesh  # interleaved with a critic group; else None
         self.critic_params: Any = None  # its params as its value forward takes them
+        self.packed_sizes = False  # also compile packed programs at their smallest size
+        self.packing: Any = None  # RL: the run's rl_packing.PackingPlanner
         self.trees: dict[str, tuple[Any, Any]] = {}  # name -> (abstract, shardings)
         self.roles: list[RoleMemory] = []
         self.programs: list[ProgramMemory] = []

@@ -314,6 +314,17 @@ def _plan_score(pl, programs, held, models, rm_params):
         passed=passed,
         runs=programs.layout.rl.score_micro,  # map_micro's scan body is one micro-batch
     )
+    smallest = _smallest_packed(pl, programs, packed)
+    if smallest is not None:
+        pl.compile(
+            "score",
+            packed_program_name("score", smallest),
+            programs.score,
+            (*score_args[:-1], smallest),
+            live=_learner_trees(pl, held),
+            passed=passed,
+            runs=0,  # priced by the planner at the packed size the lengths give
+        )
     scored = jax.tree.map(
         lambda a, s: sds(a.shape, a.dtype, s),
         jax.eval_shape(lambda *a: programs.score(*a, packed), *score_args[:-1]),
@@ -352,6 +363,21 @@ def _plan_score(pl, programs, held, models, rm_params):
             shape,
         )
     return batch, scored
+
+
+def packed_program_name(name: str, rows: int) -> str:
+    """The dry run's name for program ``name`` compiled at ``rows`` packed rows per shard
+    (besides its largest size, which keeps the plain name)."""
+    return f"{name}@{rows}"
+
+
+def _smallest_packed(pl: Planner, programs: RLPrograms, packed: int | None) -> int | None:
+    """The smallest packed size of a phase packed at most at ``packed`` rows per shard,
+    when the planner asked for packed sizes and it differs from the largest; else None."""
+    if not pl.packed_sizes or not packed:
+        return None
+    smallest = bucket_sizes(packed, programs.planner.buckets)[0]
+    return smallest if smallest < packed else None
 
 
 def _critic_trees(held: list[str]) -> list[str]:
@@ -581,6 +607,18 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         passed=learners,
         runs=runs,
     )
+    smallest = _smallest_packed(pl, programs, packed)
+    if smallest is not None:
+        pl.compile(
+            "train",
+            packed_program_name("update", smallest),
+            programs.update,
+            (states, learner_batch, pl.key, frozen, smallest),
+            live=_learner_trees(pl, held),
+            passed=learners,
+            runs=0,  # priced by the planner at the packed size the lengths give
+        )
+    pl.packing = programs.planner
     loss, r = algo.loss, algo.rollout
     return (
         f"rollout {r.prompts_per_step} prompts x {r.num_samples} sample(s), "

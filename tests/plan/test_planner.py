@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
 import pytest
 import yaml
 
@@ -15,7 +17,7 @@ from jaxrlhf.plan import candidates, estimate
 from jaxrlhf.plan.hardware import Cluster, DeviceSpec
 from jaxrlhf.plan.lengths import BUDGET, engine_chunks, parse_lengths
 from jaxrlhf.plan.planner import read_run
-from jaxrlhf.train.program_cost import ProgramCost
+from jaxrlhf.train.program_cost import ProgramCost, roofline_seconds
 
 RUN = {
     "algorithm": "grpo",
@@ -276,6 +278,55 @@ def test_an_interleaved_critic_is_priced_on_its_own_group():
     labels = [candidates.describe(o, "ppo") for o in layouts]
     assert "interleaved learner 1:d1 critic 1:d1" in labels
     assert "interleaved learner 1:d1 reference 1:d1" in labels
+
+
+def test_packed_phases_are_priced_at_the_packed_size_of_the_lengths():
+    """With a length distribution, sequence-packed scoring and the update cost what the
+    trainer's packing planner packs those rows into: m packed rows per shard, priced on the
+    line through the programs compiled at the smallest (2) and largest (8) sizes; the
+    budget's full-length samples keep the largest size (the second compile changes
+    nothing there)."""
+    one_device = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}}
+    cfg = from_dict(merge_configs(RUN, one_device))
+    cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 1)
+    model = estimate.CostModel()
+    both = estimate.compile_plan(cfg, packed_sizes=True)
+    largest = estimate.compile_plan(cfg)
+    costs = {(ph, name): c for ph, name, _, c, _ in both.programs}
+    assert {("score", "score@2"), ("train", "update@2")} <= set(costs)
+    budget = estimate.estimate(cfg, cluster, model, compiled=both)
+    plain = estimate.estimate(cfg, cluster, model, compiled=largest)
+    assert budget.phases == pytest.approx(plain.phases)
+    tail = parse_lengths("lognormal:3,1.0")
+    short = estimate.estimate(cfg, cluster, model, compiled=both, lengths=tail)
+    # The rows the planner packs: 4 prompt groups of 2, full 16-token prompts, the tail's
+    # responses (at most 16 tokens; 32-slot packed rows).
+    lengths = tail.lengths(8, 16)
+    mask = np.zeros((8, 32), bool)
+    mask[:, :16] = True
+    mask[:, 16:] = np.arange(16)[None] < lengths[:, None]
+    tokens = np.where(mask, 1, 0).astype(np.int32)
+    tokens[:, :16] = 1 + np.arange(8)[:, None] // 2
+    for phase, name, plan in (
+        ("score", "score", both.packing.score(tokens, mask)),
+        ("train", "update", both.packing.update(tokens, mask, jax.random.key(0))),
+    ):
+        m = plan.rows
+        assert 2 <= m < 8, (phase, m)
+        low, high = costs[(phase, f"{name}@2")], costs[(phase, name)]
+        want = ProgramCost(
+            low.flops + (m - 2) / 6 * (high.flops - low.flops),
+            low.bytes_accessed + (m - 2) / 6 * (high.bytes_accessed - low.bytes_accessed),
+            (),
+            1,
+        )
+        seconds = roofline_seconds(
+            want, HOST.peak_flops, HOST.memory_bandwidth, HOST.link_for
+        ) / model.efficiency_of(phase, 1)
+        got = next(p for p in short.programs if (p.phase, p.name) == (phase, name))
+        assert got.seconds == pytest.approx(seconds, rel=1e-6)
+        assert short.phases[phase] == pytest.approx(seconds, rel=1e-6)
+        assert short.phases[phase] < 0.9 * budget.phases[phase]
 
 
 def test_engine_generation_is_priced_on_the_length_distribution():
