@@ -118,14 +118,15 @@ def _interleaved(
     frozen base the dry run would count on the learner's group only), or the reference on
     a group of its own (``reference: own``, the run permitting: :func:`reference_may_move`;
     its data shards splitting the rollout's rows); the policy and the sampler on the rest,
-    each learner mesh. On CPU devices one of the two groups has one device (two programs
+    each learner mesh. On CPU devices also a one-device side group, and one of the two
+    groups always has one device (two programs
     spanning several CPU devices at once need more XLA:CPU client threads than a process
     has by default: the trainer refuses them, ``rl_async.check_concurrency``)."""
     if devices < 2:
         return
     algo = rl_section(cfg)
     rows = algo.rollout.rows // algo.loss.num_minibatches
-    sizes = sorted({max(1, round(devices * f)) for f in (0.25, 0.5)})
+    sizes = sorted({max(1, round(devices * f)) for f in (0.25, 0.5)} | ({1} if cpu else set()))
     hydra = cfg.algorithm == "ppo" and cfg.ppo.hydra
     for k in sizes:
         if cpu and min(k, devices - k) > 1:

@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 
 from jaxrlhf.config import ConfigError, RunConfig
-from jaxrlhf.models.packing import bucket_sizes
 from jaxrlhf.plan.hardware import Cluster
 from jaxrlhf.plan.lengths import BUDGET, LengthModel, engine_replay
 from jaxrlhf.plan.simulator import Schedule, iteration_tasks, simulate
@@ -276,12 +275,35 @@ def _compiled_programs(
     return programs, int(sync), one, layout
 
 
+def _replay(cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan) -> Any:
+    """The rollout engine's :func:`~jaxrlhf.plan.lengths.engine_replay` of one iteration
+    with response lengths from ``lengths`` (on the rows it starts, ending with the groups it
+    keeps), or None without the engine."""
+    from jaxrlhf.config import rl_section
+
+    r = rl_section(cfg).rollout
+    layout = compiled.engine_layout
+    if r.engine != "continuous" or layout is None:
+        return None
+    t = r.max_new_tokens
+    return engine_replay(
+        lengths.lengths(r.started_prompts * r.num_samples, t),
+        layout.local_slots * layout.shards,
+        r.chunk_tokens,
+        r.num_samples,
+        shards=layout.shards,
+        max_new_tokens=t,
+        views=bool(layout.views),
+        keep_groups=r.prompts_per_step,
+        token_budget=r.token_budget,
+    )
+
+
 def _engine_runs(
-    cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan
+    cfg: RunConfig, compiled: CompiledPlan, replay: Any
 ) -> tuple[dict[str, int], ProgramCost | None] | None:
-    """The rollout engine's ``decode`` steps and ``admit`` calls per iteration with response
-    lengths from ``lengths`` (:func:`~jaxrlhf.plan.lengths.engine_replay` on the rows it
-    starts, ending with the groups it keeps), and the decode step's mean cost over those
+    """The rollout engine's ``decode`` steps and ``admit`` calls per iteration as
+    ``replay`` (:func:`_replay`) has them, and the decode step's mean cost over those
     chunks, each on the view it decodes on (None: every chunk costs the whole state's).
     None without the engine (the static sampler's steps do not depend on the lengths).
 
@@ -290,26 +312,13 @@ def _engine_runs(
     from jaxrlhf.config import rl_section
     from jaxrlhf.train.dry_run_rl import view_program_name
 
+    if replay is None:
+        return None
     r = rl_section(cfg).rollout
     layout = compiled.engine_layout
-    if r.engine != "continuous" or layout is None:
-        return None
-    rows = r.started_prompts * r.num_samples
     generate = {name: c for ph, name, _, c, _ in compiled.programs if ph == "generate"}
     full = generate["decode"]
     views = {v: generate[view_program_name(*v)] for v in layout.views}
-    t = r.max_new_tokens
-    replay = engine_replay(
-        lengths.lengths(rows, t),
-        layout.local_slots * layout.shards,
-        r.chunk_tokens,
-        r.num_samples,
-        shards=layout.shards,
-        max_new_tokens=t,
-        views=bool(views),
-        keep_groups=r.prompts_per_step,
-        token_budget=r.token_budget,
-    )
     runs = {"decode": replay.chunks * r.chunk_tokens, "admit": replay.admits}
     if not views:
         return runs, None
@@ -317,7 +326,7 @@ def _engine_runs(
         full,
         views,
         layout.local_slots,
-        t,
+        r.max_new_tokens,
         cfg.data.max_prompt_length,
         r.chunk_tokens,
         layout.kv_bytes,
@@ -328,23 +337,31 @@ def _engine_runs(
     return runs, total.scale(1 / replay.chunks)
 
 
-def _packed_costs(
-    cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan
-) -> dict[str, tuple[set[str], Callable[[ProgramCost], ProgramCost]]]:
-    """Per sequence-packed phase (``score``, ``train``): its packed programs and how one's
-    cost at the largest packed size becomes its cost at the packed size the trainer's own
-    planner (``rl_packing.PackingPlanner``) picks for rows of ``lengths``.
+# Programs packed by another planner than the learner's scoring and update (a reference
+# on its own group packs over that group's data shards): priced at their largest size.
+_OWN_PACKING = ("reference",)
 
-    The learner's program (``score``, ``update``) is compiled at the largest size ``M``
-    and, with ``compile_plan(packed_sizes=True)``, at the smallest ``S``: its cost at ``m``
-    packed rows per shard is the line through the two (each packed row is ``T`` slots, so
-    a pass is affine in ``m``; the intercept is what does not grow with rows, e.g. the
-    optimizer step). The phase's other packed programs (the reward model, a critic's or a
-    reference's own forward and update) are scaled by the same ratio, field by field. The
-    rows: the rollout's prompt groups with full-length prompts and the lengths' responses
-    (``LengthModel.lengths``, as the engine replay draws them). Empty when the lengths
-    are the budget's (nothing shrinks), or the phase does not pack or was compiled at one
-    size only."""
+
+def _packed_costs(
+    cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan, replay: Any
+) -> dict[str, Callable[[str, ProgramCost], ProgramCost]]:
+    """Per sequence-packed phase (``score``, ``train``): how one of its programs' cost at
+    the largest packed size becomes its cost at the packed size the trainer's own planner
+    (``rl_packing.PackingPlanner``) picks for rows of ``lengths``.
+
+    The learner's program (``score``, ``update``) is compiled at every packed size with
+    ``compile_plan(packed_sizes=True)`` (the dry run's ``score@k``, ``update@k``): at the
+    planner's size ``m`` it costs exactly that compile. The other programs packed by the
+    same plan (the reward model's forward, an interleaved critic's forward and update)
+    scale by the learner program's ratio at ``m``, field by field; a reference on its own
+    group (another planner) keeps its largest size. The rows: the rollout's prompt groups
+    with full-length prompts and the lengths' responses (``LengthModel.lengths``, as the
+    engine replay draws them); with the engine's over-sampling, the groups the ``replay``
+    keeps. Scoring streamed in batches while the tail decodes is priced as one pass over
+    the rollout. Empty when the lengths are the budget's (nothing shrinks), or a phase does
+    not pack or runs unpacked at these lengths (priced at its largest packed size)."""
+    import jax
+
     from jaxrlhf.config import rl_section
     from jaxrlhf.train.dry_run_rl import packed_program_name
 
@@ -352,38 +369,39 @@ def _packed_costs(
     if planner is None or lengths.kind == "budget":
         return {}
     r = rl_section(cfg).rollout
-    rows, prompt, t = r.rows, cfg.data.max_prompt_length, r.max_new_tokens
-    drawn = np.asarray(lengths.lengths(rows, t))
+    prompt, t, n = cfg.data.max_prompt_length, r.max_new_tokens, r.num_samples
+    if replay is not None and r.started_prompts > r.prompts_per_step:  # the kept groups
+        started = lengths.lengths(r.started_prompts * n, t).reshape(-1, n)
+        drawn = started[list(replay.kept)].reshape(-1)
+    else:
+        drawn = np.asarray(lengths.lengths(r.rows, t))
+    rows = len(drawn)
     mask = np.zeros((rows, prompt + t), bool)
     mask[:, :prompt] = True
     mask[:, prompt:] = np.arange(t)[None, :] < drawn[:, None]
     tokens = np.zeros(mask.shape, np.int32)
-    tokens[:, :prompt] = 1 + np.arange(rows)[:, None] // r.num_samples  # a prompt per group
-    import jax
-
+    tokens[:, :prompt] = 1 + np.arange(rows)[:, None] // n  # one prompt per group
     plans = {
-        "score": ("score", planner.score_rows, planner.score(tokens, mask)),
-        "train": ("update", planner.update_rows, planner.update(tokens, mask, jax.random.key(0))),
+        "score": ("score", planner.score(tokens, mask)),
+        "train": ("update", planner.update(tokens, mask, jax.random.key(0))),
     }
     costs = {(ph, name): c for ph, name, _, c, _ in compiled.programs}
     out = {}
-    for phase, (name, largest, plan) in plans.items():
-        if not largest or plan is None:
+    for phase, (learner, plan) in plans.items():
+        high = costs.get((phase, learner))
+        at = None if plan is None else costs.get((phase, packed_program_name(learner, plan.rows)))
+        if high is None or at is None:  # unpacked here, at the largest size, or not compiled
             continue
-        small = bucket_sizes(largest, planner.buckets)[0]
-        low = costs.get((phase, packed_program_name(name, small)))
-        high = costs.get((phase, name))
-        if low is None or high is None or plan.rows == largest:
-            continue
-        at = _line(low, high, small, largest, plan.rows)
         ratio = (
             at.flops / high.flops if high.flops else 1.0,
             at.bytes_accessed / high.bytes_accessed if high.bytes_accessed else 1.0,
         )
 
-        def scaled(c: ProgramCost, high=high, at=at, ratio=ratio) -> ProgramCost:
-            if c is high:
+        def scaled(name: str, c: ProgramCost, learner=learner, at=at, ratio=ratio) -> ProgramCost:
+            if name == learner:
                 return at
+            if name in _OWN_PACKING:
+                return c
             return ProgramCost(
                 c.flops * ratio[0],
                 c.bytes_accessed * ratio[1],
@@ -391,31 +409,8 @@ def _packed_costs(
                 c.devices,
             )
 
-        names = {
-            n
-            for ph, n, runs, _, _ in compiled.programs
-            if ph == phase and runs > 0 and n != "admit"
-        }
-        out[phase] = (names, scaled)
+        out[phase] = scaled
     return out
-
-
-def _line(low: ProgramCost, high: ProgramCost, a: int, b: int, x: int) -> ProgramCost:
-    """The cost at ``x`` on the line through ``low`` (at ``a``) and ``high`` (at ``b``),
-    field by field, clamped at 0."""
-    w = (x - a) / (b - a)
-
-    def at(u: float, v: float) -> float:
-        return max(0.0, u + w * (v - u))
-
-    lc, hc = dict(low.collectives), dict(high.collectives)
-    groups = sorted(set(lc) | set(hc))
-    return ProgramCost(
-        at(low.flops, high.flops),
-        at(low.bytes_accessed, high.bytes_accessed),
-        tuple((g, at(lc.get(g, 0.0), hc.get(g, 0.0))) for g in groups),
-        high.devices,
-    )
 
 
 def view_cost_model(
@@ -520,7 +515,7 @@ def compile_plan(
 ) -> CompiledPlan:
     """Compiles ``cfg``'s programs (this process must have the devices its placement
     names, as CPU devices) and extrapolates them to the model's depth. ``packed_sizes``:
-    also the sequence-packed scoring and update at their smallest packed size, so that
+    also the sequence-packed scoring and update at each smaller packed size, so that
     :func:`estimate` prices them at the packed size a length distribution gives.
 
     Raises:
@@ -563,16 +558,17 @@ def estimate(
     spans["sync"] = groups.get("sampler", groups.get("learner", groups.get("all", 1)))
     phases = dict.fromkeys(PHASES, 0.0)
     priced = []
-    engine = _engine_runs(cfg, lengths, compiled)
-    packed = _packed_costs(cfg, lengths, compiled)
+    replay = _replay(cfg, lengths, compiled)
+    engine = _engine_runs(cfg, compiled, replay)
+    packed = _packed_costs(cfg, lengths, compiled, replay)
     for phase, name, runs, cost, peak in programs:
         priced_cost = cost
         if engine is not None and phase == "generate" and name in engine[0]:
             runs = engine[0][name]
             if name == "decode" and engine[1] is not None:  # the views' mean step
                 priced_cost = engine[1]
-        if phase in packed and name in packed[phase][0]:  # at the lengths' packed size
-            priced_cost = packed[phase][1](cost)
+        if phase in packed and runs > 0:  # at the packed size of the lengths
+            priced_cost = packed[phase](name, cost)
         one = roofline_seconds(priced_cost, spec.peak_flops, spec.memory_bandwidth, spec.link_for)
         # The reference's forward on the sampler's group (placement.reference: sampler) is
         # a scoring forward in the sampler's time: scoring's efficiency, generate's devices.

@@ -110,11 +110,14 @@ class EngineReplay:
       views: per chunk, the ``(slots per shard, generated width)`` view it decodes on (the
         engine's rule: the smallest bucket holding the busiest shard's running slots, and
         the columns they reach in the chunk), or None for the whole state.
+      kept: the groups that finished, in the order they did (indices into the call's
+        groups), at most ``keep_groups``: with over-sampling, the ones the call keeps.
     """
 
     chunks: int
     admits: int
     views: tuple[tuple[int, int] | None, ...]
+    kept: tuple[int, ...] = ()
 
 
 def engine_replay(
@@ -157,6 +160,7 @@ def engine_replay(
     group = np.full(slots, -1)  # its group
     started = finished = chunks = admits = generated = 0
     picked: list[tuple[int, int] | None] = []
+    kept: list[int] = []
     while finished < keep:
         free = np.flatnonzero(left == 0)
         groups = min(len(free) // n, len(queue))
@@ -186,8 +190,10 @@ def engine_replay(
         for g in np.unique(group[ending]):  # a group is finished when its last sample is
             if not (left[group == g] > 0).any():
                 finished += 1
+                if len(kept) < keep:
+                    kept.append(int(g))
                 group[group == g] = -1
-    return EngineReplay(chunks, admits, tuple(picked))
+    return EngineReplay(chunks, admits, tuple(picked), tuple(kept))
 
 
 def engine_chunks(

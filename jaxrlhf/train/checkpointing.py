@@ -66,8 +66,9 @@ def _all_finite(tree: Any) -> bool:
     by_devices: dict[Any, list[jax.Array]] = {}
     for x in jax.tree.leaves(tree):
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            devices = getattr(getattr(x, "sharding", None), "device_set", None)
-            key = frozenset(devices) if devices is not None else None
+            sharding = getattr(x, "sharding", None)
+            # A mesh orders its devices: arrays on one device set in two orders are apart.
+            key = getattr(sharding, "mesh", None) or frozenset(getattr(sharding, "device_set", ()))
             by_devices.setdefault(key, []).append(x)
     return all(bool(_finite(leaves)) for leaves in by_devices.values())
 

@@ -294,9 +294,9 @@ def plan(
         ``config.from_dict`` takes them).
       device_memory: bytes per device to check the peak against (None: not checked).
       device_label: how to name that memory in the verdict.
-      packed_sizes: also compile the sequence-packed scoring and update programs at their
-        smallest packed size (``score@M``, ``update@M``: M packed rows per shard; run 0
-        times), for the planner to price smaller packed sizes.
+      packed_sizes: also compile the learner's sequence-packed scoring and update programs
+        at each smaller packed size (``score@k``, ``update@k``: k packed rows per shard;
+        run 0 times), for the planner to price the size a length distribution gives.
 
     Raises:
       ConfigError, MeshError, ShardingRuleError: one-line user errors.

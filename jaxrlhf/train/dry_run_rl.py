@@ -314,13 +314,12 @@ def _plan_score(pl, programs, held, models, rm_params):
         passed=passed,
         runs=programs.layout.rl.score_micro,  # map_micro's scan body is one micro-batch
     )
-    smallest = _smallest_packed(pl, programs, packed)
-    if smallest is not None:
+    for size in _smaller_packed(pl, programs, packed):
         pl.compile(
             "score",
-            packed_program_name("score", smallest),
+            packed_program_name("score", size),
             programs.score,
-            (*score_args[:-1], smallest),
+            (*score_args[:-1], size),
             live=_learner_trees(pl, held),
             passed=passed,
             runs=0,  # priced by the planner at the packed size the lengths give
@@ -371,13 +370,12 @@ def packed_program_name(name: str, rows: int) -> str:
     return f"{name}@{rows}"
 
 
-def _smallest_packed(pl: Planner, programs: RLPrograms, packed: int | None) -> int | None:
-    """The smallest packed size of a phase packed at most at ``packed`` rows per shard,
-    when the planner asked for packed sizes and it differs from the largest; else None."""
+def _smaller_packed(pl: Planner, programs: RLPrograms, packed: int | None) -> tuple[int, ...]:
+    """The packed sizes below the largest, ``packed`` rows per shard, of a packed phase when
+    the planner asked for them (each compiles once more); else none."""
     if not pl.packed_sizes or not packed:
-        return None
-    smallest = bucket_sizes(packed, programs.planner.buckets)[0]
-    return smallest if smallest < packed else None
+        return ()
+    return tuple(k for k in bucket_sizes(packed, programs.planner.buckets) if k < packed)
 
 
 def _critic_trees(held: list[str]) -> list[str]:
@@ -607,13 +605,12 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         passed=learners,
         runs=runs,
     )
-    smallest = _smallest_packed(pl, programs, packed)
-    if smallest is not None:
+    for size in _smaller_packed(pl, programs, packed):
         pl.compile(
             "train",
-            packed_program_name("update", smallest),
+            packed_program_name("update", size),
             programs.update,
-            (states, learner_batch, pl.key, frozen, smallest),
+            (states, learner_batch, pl.key, frozen, size),
             live=_learner_trees(pl, held),
             passed=learners,
             runs=0,  # priced by the planner at the packed size the lengths give

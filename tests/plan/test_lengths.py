@@ -87,7 +87,7 @@ def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep, token_
 
     monkeypatch.setattr(engine, "view_chunk_program", view_program)
     monkeypatch.setattr(engine, "chunk_program", chunk_program)
-    engine.generate(
+    out = engine.generate(
         params,
         tokens,
         np.ones_like(tokens, bool),
@@ -108,6 +108,8 @@ def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep, token_
         token_budget=token_budget,
     )
     assert list(replay.views) == used and any(v is not None for v in used)
+    # The groups it keeps (the planner packs their rows): the engine's, in any order.
+    assert sorted(replay.kept) == sorted(out.kept_groups.tolist())
     if token_budget is not None:  # the budget binds: fewer admissions than without it
         unbounded = engine_replay(
             lengths, slots, chunk, n, shards=shards, max_new_tokens=budget, keep_groups=keep
