@@ -56,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         "budget (G2's long tail: lognormal:48,1.439); the rollout engine gains from short "
         "samples, the static sampler does not",
     )
+    add(
+        "--strategies",
+        nargs="+",
+        choices=("colocated", "separated", "interleaved"),
+        default=("colocated", "separated", "interleaved"),
+        help="placement strategies to search (default: all); the flat plan and the run as "
+        "configured are priced too, for the comparison",
+    )
     add("--time-limit", type=float, default=600.0, help="search seconds for large spaces")
     add("--exhaustive-limit", type=int, default=24, help="layouts searched exhaustively")
     return parser

@@ -139,7 +139,17 @@ def cli(args: argparse.Namespace) -> int:
         raise ConfigError(f"{source}: algorithm: the planner plans RL runs (ppo, grpo)")
     explicit = args.cost_model != DEFAULT_COST_MODEL
     model = _load_model(args.cost_model, cluster.label, explicit)
-    layouts = list(candidates.layouts(searcher.cfg, count, is_cpu))
+    chosen = set(args.strategies)
+    layouts = [
+        o
+        for o in candidates.layouts(searcher.cfg, count, is_cpu)
+        if o["placement"]["strategy"] in chosen
+    ]
+    if not layouts:
+        raise ConfigError(
+            f"--strategies {' '.join(args.strategies)}: no such layout of this run on "
+            f"{cluster.label}"
+        )
     print(f"planning {source} on {cluster.label}: {len(layouts)} layouts", file=sys.stderr)
     how = search(
         searcher,
@@ -151,14 +161,14 @@ def cli(args: argparse.Namespace) -> int:
     )
     searcher.layout(candidates.flat(searcher.cfg, count, is_cpu), model)  # a flat reference
     as_configured = searcher.exact({}, model)
-    plans, rejected = searcher.ranked(model)
+    plans, rejected = _ranked(searcher, model, chosen)
     if args.calibrate and plans:
         model = _calibrate(searcher, plans[: args.calibrate_plans], args)
         path = args.cost_model
         with open(path, "w", encoding="utf-8") as f:
             f.write(model.to_json())
         print(f"cost model written to {path}", file=sys.stderr)
-        plans, rejected = searcher.ranked(model)
+        plans, rejected = _ranked(searcher, model, chosen)
     fitted = f"calibrated on {model.calibrated_on}" if model.calibrated_on else "uncalibrated"
     header = (
         f"plans for {source} ({searcher.cfg.algorithm}) on {cluster.label} ({how}; cost model "
@@ -166,7 +176,8 @@ def cli(args: argparse.Namespace) -> int:
     )
     print(format_plans(plans, rejected, args.top, header, lengths))
     if plans:
-        print(_compare(plans, _flat(plans), "flat (the best plan with every role on one mesh)"))
+        flat = _flat(searcher.ranked(model)[0])  # evaluated whatever --strategies says
+        print(_compare(plans, flat, "flat (the best plan with every role on one mesh)"))
         configured = searcher.exact({}, model) if args.calibrate else as_configured
         print(_compare(plans, configured, "the run as configured"))
     if not plans:
@@ -179,6 +190,16 @@ def cli(args: argparse.Namespace) -> int:
             f"--config {args.out}"
         )
     return 0
+
+
+def _ranked(
+    searcher: Searcher, model: CostModel, strategies: set[str]
+) -> tuple[list[PlanEstimate], list[Evaluated]]:
+    """The searcher's ranked plans of ``strategies`` (the flat reference it evaluates of
+    any), and the rejected ones."""
+    plans, rejected = searcher.ranked(model)
+    keep = [p for p in plans if p.overlay.get("placement", {}).get("strategy") in strategies]
+    return keep, rejected
 
 
 def _flat(plans: Sequence[PlanEstimate]) -> PlanEstimate | None:

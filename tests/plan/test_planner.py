@@ -388,12 +388,37 @@ def test_engine_generation_is_priced_on_the_length_distribution():
         (["--cluster", "h100x8", "--calibrate"], "--calibrate times plans on this machine"),
         (["--cluster", "cpu-2", "--top", "0"], "--top and --calibrate-plans must be >= 1"),
         (["--cluster", "h100x8", "--lengths", "normal:3"], "--lengths: expected 'budget' or"),
+        (
+            ["--cluster", "cpu-1", "--strategies", "interleaved"],
+            "--strategies interleaved: no such layout of this run on 1 x cpu",
+        ),
     ],
 )
 def test_command_line_errors_are_one_line(run_yaml, argv, message, capsys):
     assert plan_cli.main(["--config", run_yaml, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_plan_command_searches_only_the_strategies_asked_for(tmp_path, capsys):
+    """``--strategies interleaved`` on a PPO run over two CPU devices: the table holds the
+    two interleaved plans only (the critic's group, the reference's), the overlay is one of
+    them and merges into a valid run, and the comparison with flat is still printed."""
+    run = tmp_path / "ppo.yaml"
+    run.write_text(yaml.safe_dump(PPO_RUN))
+    out = tmp_path / "plan.yaml"
+    argv = ["--config", str(run), "--cluster", "cpu-2", "--strategies", "interleaved"]
+    assert plan_cli.main([*argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = text.split("plan\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(table) == 2 and all("interleaved learner 1:d1" in line for line in table)
+    assert any("critic 1:d1" in line and "beside: score:critic" in line for line in table)
+    assert "best plan vs flat" in text
+    overlay = yaml.safe_load(out.read_text())
+    assert overlay["placement"]["strategy"] == "interleaved"
+    cfg = from_dict(merge_configs(read_run([str(run)], []), overlay))
+    assert cfg.placement.cpu_devices == 2
 
 
 def test_supervised_runs_are_refused(tmp_path, capsys):
