@@ -23,6 +23,7 @@ planner's top choice among each model size's configurations is the measured fast
     python -m benchmarks.planner                  # the six (about 15 minutes on 2 cores)
     python -m benchmarks.planner --only S-col1 S-sep2-s1 --steps 6
     python -m benchmarks.planner --only P-col2 P-sep2-s1 P-int2
+    python -m benchmarks.planner --only S-col2 S-sep2-s0 S-sep2-s1 --rounds 3
 """
 
 from __future__ import annotations
@@ -126,6 +127,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the results here too")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every configuration this many times, in turn (A B C A B C ...: drift "
+        "of the host affects all alike); each is fitted and ranked at its median round",
+    )
     args = parser.parse_args()
     platform.set_cpu_devices(2)
     import jax
@@ -140,7 +148,7 @@ def main() -> None:
     cpu = measure_cpu()
     print(f"CPU: {cpu.peak_flops / 1e9:.0f} GFLOP/s, {cpu.memory_bandwidth / 1e9:.1f} GB/s")
     unit = CostModel(efficiency=dict.fromkeys(("generate", "score", "train", "sync"), 1.0))
-    rows = []
+    setups, runs = {}, {name: [] for name in args.only}
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as root:
         for name in args.only:
             preset, devices, strategy, staleness, algorithm = CONFIGS[name]
@@ -151,16 +159,26 @@ def main() -> None:
             compiled = compile_plan(cfg, name)
             cluster = parse_cluster(f"cpu-{devices}", cpu=cpu)
             predicted = estimate(cfg, cluster, unit, compiled=compiled, label=name)
-            measured = measure(
-                data, name, os.path.join(root, name), steps=args.steps, skip=args.skip
-            )
-            rows.append((name, preset, cfg, cluster, compiled, predicted, measured))
-            print(
-                f"{name}: measured {measured.iteration_s:.3f} s/iteration "
-                f"({', '.join(f'{k} {v:.3f}' for k, v in measured.phases.items())}); "
-                f"roofline {predicted.iteration_s:.3f}",
-                flush=True,
-            )
+            setups[name] = (data, preset, cfg, cluster, compiled, predicted)
+        for round_ in range(args.rounds):
+            for name in args.only:
+                data, predicted = setups[name][0], setups[name][5]
+                workdir = os.path.join(root, f"{name}-{round_}")
+                measured = measure(data, name, workdir, steps=args.steps, skip=args.skip)
+                runs[name].append(measured)
+                print(
+                    f"{name}: measured {measured.iteration_s:.3f} s/iteration "
+                    f"({', '.join(f'{k} {v:.3f}' for k, v in measured.phases.items())}); "
+                    f"roofline {predicted.iteration_s:.3f}",
+                    flush=True,
+                )
+    rows = []
+    for name in args.only:
+        ordered = sorted(runs[name], key=lambda m: m.iteration_s)
+        median = ordered[(len(ordered) - 1) // 2]  # a round's own phases (lower median)
+        if args.rounds > 1:
+            print(f"{name}: rounds {[round(m.iteration_s, 3) for m in runs[name]]}")
+        rows.append((name, *setups[name][1:], median))
 
     def predict(model, row):
         name, _, cfg, cluster, compiled, _, _ = row
@@ -188,6 +206,7 @@ def main() -> None:
                 "in_sample_s": p_in,
                 "loo_s": p_loo,
                 "measured_phases": dict(row[6].phases),
+                "rounds_s": [m.iteration_s for m in runs[row[0]]],
                 "model": json.loads(everything.to_json()),
             }  # fmt: skip
         )
