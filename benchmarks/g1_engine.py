@@ -1,0 +1,90 @@
+"""G1 (32 prompts x 64 random tokens, 128 new tokens, temperature 1, no early stop) on the
+rollout engine against the static sampler, on one CPU device, runs alternating: issue 19
+asks the engine's decode for 70% of the matmul floor on bench-M. The floor is
+benchmarks/generate.py's (the workload's FLOPs at the matmul rates measured at the decode
+and prefill shapes, right after the runs); the engine decodes every row to 128 tokens
+(per-row budgets), so both do the same work.
+
+    python benchmarks/g1_engine.py --model bench-m --chunk 16 --reps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxrlhf import platform  # noqa: E402
+
+platform.reuse_freed_host_memory()  # as python -m jaxrlhf.train on CPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import generate as g1  # noqa: E402
+from jaxrlhf.generation import Sampler, SamplingParams  # noqa: E402
+from jaxrlhf.generation.engine import Engine  # noqa: E402
+from jaxrlhf.models import model as model_lib  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench-m", choices=sorted(g1.MODELS))
+    parser.add_argument("--chunk", type=int, default=16, help="engine steps per chunk")
+    parser.add_argument("--reps", type=int, default=4)
+    args = parser.parse_args()
+    cfg = g1.MODELS[args.model]()
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (g1.BATCH, g1.PROMPT))
+    tokens = tokens.astype(np.int32)
+    mask = np.ones_like(tokens, bool)
+    sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=g1.NEW)
+    sampler = Sampler(cfg)
+    engine = Engine(sampler, slots=g1.BATCH, chunk=args.chunk)
+    lengths = np.full(g1.BATCH, g1.NEW, np.int32)
+
+    def run_engine(key: jax.Array) -> float:
+        start = time.perf_counter()
+        out = engine.generate(params, tokens, mask, key, sp, max_new_tokens=lengths)
+        seconds = time.perf_counter() - start
+        assert np.array_equal(out.finished.lengths, lengths)
+        return seconds
+
+    def run_static(key: jax.Array) -> float:
+        total, _, _ = g1.run_jax(sampler, params, jnp.asarray(tokens), jnp.asarray(mask), sp, key)
+        return total
+
+    runners = {"engine": run_engine, "static": run_static}
+    for name, run in runners.items():
+        start = time.perf_counter()
+        run(jax.random.key(0))
+        print(f"{name}: first call (compiles) {time.perf_counter() - start:.1f} s", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for rep in range(args.reps):
+        order = list(runners) if rep % 2 else list(runners)[::-1]
+        for name in order:
+            times[name].append(runners[name](jax.random.key(rep + 1)))
+    prefill_flops, decode_flops = g1.workload_flops(cfg)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    decode_rate = g1.matmul_rate(g1.BATCH, d, f, reps=40)
+    prefill_rate = g1.matmul_rate(g1.BATCH * g1.PROMPT, d, f, reps=2)
+    floor = prefill_flops / prefill_rate + decode_flops / decode_rate
+    print(
+        f"{args.model}, CPU {g1.cpu_model()}: matmul rates {decode_rate / 1e9:.0f} (decode "
+        f"shape) / {prefill_rate / 1e9:.0f} (prefill shape) GFLOP/s, floor {floor:.3f} s"
+    )
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        print(
+            f"{name}: {g1.BATCH * g1.NEW / median:.0f} tok/s (median {median:.3f} s of "
+            f"{[round(t, 3) for t in ts]}), {floor / median:.0%} of the floor"
+        )
+
+
+if __name__ == "__main__":
+    main()
