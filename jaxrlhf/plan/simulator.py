@@ -169,24 +169,15 @@ def iteration_tasks(
     side = side_phases(phases)
     tasks: list[Task] = []
 
-    def scoring(i: int, after: tuple[str, ...]) -> tuple[str, ...]:
-        """Rollout ``i``'s scoring tasks (learner and side groups) after ``after``."""
-        tasks.append(Task(f"score{i}", (main,), phases["score"], after))
-        names = [f"score{i}"]
+    def stage(phase: str, i: int, after: tuple[str, ...]) -> tuple[str, ...]:
+        """Iteration ``i``'s ``phase`` (``score`` or ``train``) on the learner and on each
+        side group that has it, all after ``after``; returns their names."""
+        tasks.append(Task(f"{phase}{i}", (main,), phases[phase], after))
+        names = [f"{phase}{i}"]
         for group, ph in side.items():
-            if ph.get("score", 0.0) > 0:
-                tasks.append(Task(f"score{i}:{group}", (group,), ph["score"], after))
-                names.append(f"score{i}:{group}")
-        return tuple(names)
-
-    def updates(i: int, scored: tuple[str, ...]) -> tuple[str, ...]:
-        """Iteration ``i``'s updates (the learner's and side groups') after ``scored``."""
-        tasks.append(Task(f"train{i}", (main,), phases["train"], scored))
-        names = [f"train{i}"]
-        for group, ph in side.items():
-            if ph.get("train", 0.0) > 0:
-                tasks.append(Task(f"train{i}:{group}", (group,), ph["train"], scored))
-                names.append(f"train{i}:{group}")
+            if ph.get(phase, 0.0) > 0:
+                tasks.append(Task(f"{phase}{i}:{group}", (group,), ph[phase], after))
+                names.append(f"{phase}{i}:{group}")
         return tuple(names)
 
     if not separated:
@@ -198,7 +189,7 @@ def iteration_tasks(
                 tasks.append(Task(f"sync{i}", (main,), phases["sync"], prev))
                 prev = (f"sync{i}",)
             tasks.append(Task(f"generate{i}", (main,), phases["generate"], prev))
-            prev = updates(i, scoring(i, (f"generate{i}",)))
+            prev = stage("train", i, stage("score", i, (f"generate{i}",)))
         return tasks
     main = "learner"
     synced: dict[int, str] = {}  # update index -> the sync task that carried its weights
@@ -218,7 +209,7 @@ def iteration_tasks(
         tasks.append(Task(f"generate{i}", ("sampler",), phases["generate"], tuple(deps)))
         # The learner takes one iteration at a time: its next scoring (and a side group's)
         # waits for every update of the last, and so does the weight sync.
-        learned = updates(i, scoring(i, (f"generate{i}", *learned)))
+        learned = stage("train", i, stage("score", i, (f"generate{i}", *learned)))
         if (i + 1) % weight_sync_every == 0:
             # The sampler takes the new weights between its batches: the copy occupies it.
             tasks.append(Task(f"sync{i}", ("sampler",), phases["sync"], learned))

@@ -223,6 +223,18 @@ PPO_RUN = {
 }
 
 
+ONE = {"data": 1, "fsdp": 1, "tensor": 1}
+INTERLEAVED_CRITIC = {  # the learner (policy, sampler) on device 0, the critic on device 1
+    "placement": {
+        "cpu_devices": 2,
+        "strategy": "interleaved",
+        "learner": {"devices": [0], "mesh": ONE},
+        "critic": {"devices": [1], "mesh": ONE},
+    },
+    "mesh": ONE,
+}
+
+
 def test_an_interleaved_critic_is_priced_on_its_own_group():
     """PPO with the critic on a group of its own (``interleaved``, the learner on device 0,
     the critic on device 1) against the same run colocated on one device: the critic's value
@@ -232,19 +244,10 @@ def test_an_interleaved_critic_is_priced_on_its_own_group():
     phases running at once (independent devices: hand-checked from the predicted phases).
     The learner's state floor loses the critic's parameters and Adam moments."""
     one = {"data": 1, "fsdp": 1, "tensor": 1}
-    inter = {
-        "placement": {
-            "cpu_devices": 2,
-            "strategy": "interleaved",
-            "learner": {"devices": [0], "mesh": one},
-            "critic": {"devices": [1], "mesh": one},
-        },
-        "mesh": one,
-    }
     alone = {"placement": {"cpu_devices": 2, "train_devices": 1}, "mesh": one}
     cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 2)
     model = estimate.CostModel()
-    cfg_i = from_dict(merge_configs(PPO_RUN, inter))
+    cfg_i = from_dict(merge_configs(PPO_RUN, INTERLEAVED_CRITIC))
     cfg_c = from_dict(merge_configs(PPO_RUN, alone))
     split, joint = (estimate.estimate(c, cluster, model) for c in (cfg_i, cfg_c))
     assert split.groups == {"learner": 1, "critic": 1}
@@ -297,17 +300,7 @@ def test_packed_phases_are_priced_at_the_packed_size_of_the_lengths():
     pass is not affine in the packed rows: each size is compiled); an interleaved critic's
     forward and update (packed by the same plan) scale by the learner's ratio; the budget's
     full-length samples keep the largest size (the extra compiles change nothing there)."""
-    one = {"data": 1, "fsdp": 1, "tensor": 1}
-    inter = {
-        "placement": {
-            "cpu_devices": 2,
-            "strategy": "interleaved",
-            "learner": {"devices": [0], "mesh": one},
-            "critic": {"devices": [1], "mesh": one},
-        },
-        "mesh": one,
-    }
-    cfg = from_dict(merge_configs(PPO_RUN, inter))  # 8 rows, 16 + 16 tokens
+    cfg = from_dict(merge_configs(PPO_RUN, INTERLEAVED_CRITIC))  # 8 rows, 16 + 16 tokens
     cluster = Cluster(dataclasses.replace(HOST, name="accelerator"), 2)
     model = estimate.CostModel()
     both = estimate.compile_plan(cfg, packed_sizes=True)

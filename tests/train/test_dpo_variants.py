@@ -80,6 +80,12 @@ def test_dpo_steps_with_variant_loss_equal_the_pure_function(tmp_path, loss_type
     for metrics in (first, second, third):
         assert all(np.isfinite(v) for v in metrics.values()), metrics
 
+    # The reference runs on host copies, i.e. on one device. On the trainer's 8-device mesh
+    # every eager op of the pure function below would be a multi-device program, several in
+    # flight at once; on a loaded host those starve XLA:CPU's client thread pool, whose
+    # rendezvous then aborts the process (docs/sharding.md, "Two programs in flight on
+    # XLA:CPU"): this test's worker died so in full-suite runs.
+    batch = jax.device_get(batch)
     module = model_lib.build(trainer.model_cfg)
     logps = jax.jit(lambda p, b: dpo.sequence_logps(module, p, b, average=False))(params, batch)
     ref = batch["reference_logps"]
