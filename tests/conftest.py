@@ -15,6 +15,15 @@ import tempfile
 
 # Must run before JAX creates its CPU backend; the device count is fixed at backend init.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs each device's share of a multi-device program as a task on one pool of
+# max(NPROC or cores, devices) threads, and a share that reaches a collective holds its
+# thread until all 8 shares arrive; XLA aborts the process after 40 s of waiting
+# (rendezvous.cc "Termination timeout"). With 8 threads for 8 devices, a loaded host hit
+# it: eager ops of a loss on the trainer's 8-device arrays, beside two busy processes,
+# aborted within 20-40 s in each of two tries (a worker died so in full-suite runs); with
+# 16 threads, 2 x 150 s of the same ran clean (benchmarks/RESULTS.md, "The suite's worker
+# aborts"). Test subprocesses inherit it.
+os.environ.setdefault("NPROC", "16")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="jaxrlhf-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)

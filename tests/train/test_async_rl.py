@@ -347,10 +347,14 @@ def test_weights_reach_the_sampler_every_k_updates(fast_compile, tmp_path):
     assert all(r["reshard/bytes_moved"] == 0 for r in (rows[1], rows[2], rows[4]))
 
 
-def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(fast_compile, tmp_path):
+def test_two_multi_device_programs_in_flight_need_a_larger_cpu_pool(
+    fast_compile, tmp_path, monkeypatch
+):
     """Sampling on 4 CPU devices while learning on 4 others would starve XLA:CPU's client
-    pool (8 threads here; jaxrlhf.platform): refused with the fix, not serialised quietly;
+    pool (8 threads: the refusal reads NPROC, which tests/conftest.py raises to 16 for the
+    suite itself; jaxrlhf.platform): refused with the fix, not serialised quietly;
     likewise three groups whose multi-device programs together need more threads."""
+    monkeypatch.setenv("NPROC", "8")
     cfg, src = _config(tmp_path, "grpo", *SEPARATED, "grpo.rollout.max_staleness=1")
     message = "max_staleness: programs on 4 and 4 CPU devices at once need 16"
     with pytest.raises(MeshError, match=message):
