@@ -119,9 +119,9 @@ def _interleaved(
     a group of its own (``reference: own``, the run permitting: :func:`reference_may_move`;
     its data shards splitting the rollout's rows); the policy and the sampler on the rest,
     each learner mesh. On CPU devices also a one-device side group, and one of the two
-    groups always has one device (two programs
-    spanning several CPU devices at once need more XLA:CPU client threads than a process
-    has by default: the trainer refuses them, ``rl_async.check_concurrency``)."""
+    groups always has one device (two programs spanning several CPU devices at once need
+    more XLA:CPU client threads than a process has by default: the trainer refuses them,
+    ``rl_async.check_concurrency``)."""
     if devices < 2:
         return
     algo = rl_section(cfg)

@@ -161,14 +161,16 @@ def cli(args: argparse.Namespace) -> int:
     )
     searcher.layout(candidates.flat(searcher.cfg, count, is_cpu), model)  # a flat reference
     as_configured = searcher.exact({}, model)
-    plans, rejected = _ranked(searcher, model, chosen)
+    everything, rejected = searcher.ranked(model)
+    plans = _of(everything, chosen)
     if args.calibrate and plans:
         model = _calibrate(searcher, plans[: args.calibrate_plans], args)
         path = args.cost_model
         with open(path, "w", encoding="utf-8") as f:
             f.write(model.to_json())
         print(f"cost model written to {path}", file=sys.stderr)
-        plans, rejected = _ranked(searcher, model, chosen)
+        everything, rejected = searcher.ranked(model)
+        plans = _of(everything, chosen)
     fitted = f"calibrated on {model.calibrated_on}" if model.calibrated_on else "uncalibrated"
     header = (
         f"plans for {source} ({searcher.cfg.algorithm}) on {cluster.label} ({how}; cost model "
@@ -176,7 +178,7 @@ def cli(args: argparse.Namespace) -> int:
     )
     print(format_plans(plans, rejected, args.top, header, lengths))
     if plans:
-        flat = _flat(searcher.ranked(model)[0])  # evaluated whatever --strategies says
+        flat = _flat(everything)  # evaluated whatever --strategies says
         print(_compare(plans, flat, "flat (the best plan with every role on one mesh)"))
         configured = searcher.exact({}, model) if args.calibrate else as_configured
         print(_compare(plans, configured, "the run as configured"))
@@ -192,14 +194,10 @@ def cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ranked(
-    searcher: Searcher, model: CostModel, strategies: set[str]
-) -> tuple[list[PlanEstimate], list[Evaluated]]:
-    """The searcher's ranked plans of ``strategies`` (the flat reference it evaluates of
-    any), and the rejected ones."""
-    plans, rejected = searcher.ranked(model)
-    keep = [p for p in plans if p.overlay.get("placement", {}).get("strategy") in strategies]
-    return keep, rejected
+def _of(plans: Sequence[PlanEstimate], strategies: set[str]) -> list[PlanEstimate]:
+    """The ``plans`` of ``strategies``, in order (the flat reference is evaluated whatever
+    ``--strategies`` says)."""
+    return [p for p in plans if p.overlay.get("placement", {}).get("strategy") in strategies]
 
 
 def _flat(plans: Sequence[PlanEstimate]) -> PlanEstimate | None:

@@ -347,8 +347,9 @@ def plan(
         override_paths=override_paths,
     )
     model_cfg = layout.model
-    planner = phases.Planner(cfg, model_cfg, mesh, gen_mesh, ref_mesh, critic_mesh)
-    planner.packed_sizes = packed_sizes
+    planner = phases.Planner(
+        cfg, model_cfg, mesh, gen_mesh, ref_mesh, critic_mesh, packed_sizes=packed_sizes
+    )
     if cfg.algorithm in RL_ALGORITHMS:
         shapes = dry_run_rl.plan_rl(planner, layout)
     else:

@@ -155,13 +155,14 @@ class Planner:
         generate_mesh: Mesh | None = None,
         reference_mesh: Mesh | None = None,
         critic_mesh: Mesh | None = None,
+        packed_sizes: bool = False,
     ) -> None:
         self.cfg, self.model_cfg, self.mesh = cfg, model_cfg, mesh
         self.generate_mesh = mesh if generate_mesh is None else generate_mesh
         self.reference_mesh = reference_mesh  # placement.reference: own; else None
         self.critic_mesh = critic_mesh  # interleaved with a critic group; else None
         self.critic_params: Any = None  # its params as its value forward takes them
-        self.packed_sizes = False  # also compile packed programs at their smallest size
+        self.packed_sizes = packed_sizes  # also compile packed programs at smaller sizes
         self.packing: Any = None  # RL: the run's rl_packing.PackingPlanner
         self.trees: dict[str, tuple[Any, Any]] = {}  # name -> (abstract, shardings)
         self.roles: list[RoleMemory] = []
@@ -179,13 +180,15 @@ class Planner:
         self.trees[name] = (abstract, shardings)
         return jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
 
-    def nbytes(self, *names: str) -> int:
-        """Max over devices of the summed bytes of the named trees."""
+    def nbytes(self, *names: str, on: set[Any] | None = None) -> int:
+        """Max over devices (those in ``on``; None: any) of the summed bytes of the named
+        trees."""
         totals: dict[Any, int] = {}
         for name in names:
             abstract, shardings = self.trees[name]
             for device, n in bytes_per_device(shardings, abstract).items():
-                totals[device] = totals.get(device, 0) + n
+                if on is None or device in on:
+                    totals[device] = totals.get(device, 0) + n
         return max(totals.values(), default=0)
 
     def arch(self, hf_dir: str | None, what: str) -> tuple[ModelConfig, str]:
@@ -258,8 +261,9 @@ class Planner:
     ) -> Any:
         """Lowers and compiles ``jitted(*args)``; records its memory; returns the executable.
 
-        ``live``: the trees on the devices meanwhile; ``passed``: those among ``args``;
-        ``runs``, ``group``: :attr:`ProgramMemory.runs`, :attr:`ProgramMemory.group`.
+        ``live``: the trees alive meanwhile, counted on the devices the program spans only
+        (a placement's other groups hold theirs elsewhere); ``passed``: those among
+        ``args``; ``runs``, ``group``: :attr:`ProgramMemory.runs`, :attr:`ProgramMemory.group`.
         """
         start = time.perf_counter()
         try:
@@ -269,7 +273,8 @@ class Planner:
         except Exception as e:  # noqa: BLE001  a trainer bug or an XLA limit, told in one line
             raise DryRunError(f"{phase}/{name} does not compile: {_one_line(e)}") from e
         m = compiled.memory_analysis()
-        state = self.nbytes(*live)
+        on = argument_devices(args)
+        state = self.nbytes(*live, on=on)
         self.programs.append(
             ProgramMemory(
                 phase=phase,
@@ -278,10 +283,10 @@ class Planner:
                 output_bytes=int(m.output_size_in_bytes),
                 alias_bytes=int(m.alias_size_in_bytes),
                 temp_bytes=int(m.temp_size_in_bytes),
-                resident_bytes=max(0, state - self.nbytes(*passed)),
+                resident_bytes=max(0, state - self.nbytes(*passed, on=on)),
                 state_bytes=state,
                 compile_s=time.perf_counter() - start,
-                cost=program_cost(compiled, jitted_devices(args)),
+                cost=program_cost(compiled, max(1, len(on))),
                 runs=runs,
                 group=group,
             )
@@ -289,14 +294,14 @@ class Planner:
         return compiled
 
 
-def jitted_devices(args: Sequence[Any]) -> int:
-    """Devices the program's arguments span (its SPMD partition count)."""
-    devices = set()
+def argument_devices(args: Sequence[Any]) -> set[Any]:
+    """The devices a program's arguments span (its SPMD partitions)."""
+    devices: set[Any] = set()
     for leaf in jax.tree.leaves(args):
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             devices |= set(sharding.device_set)
-    return max(1, len(devices))
+    return devices
 
 
 # ---- supervised algorithms (sft, reward_model, dpo) -------------------------------------------

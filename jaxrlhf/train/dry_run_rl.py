@@ -310,7 +310,7 @@ def _plan_score(pl, programs, held, models, rm_params):
         "score",
         programs.score,
         score_args,
-        live=_learner_trees(pl, held),
+        live=held,
         passed=passed,
         runs=programs.layout.rl.score_micro,  # map_micro's scan body is one micro-batch
     )
@@ -320,7 +320,7 @@ def _plan_score(pl, programs, held, models, rm_params):
             packed_program_name("score", size),
             programs.score,
             (*score_args[:-1], size),
-            live=_learner_trees(pl, held),
+            live=held,
             passed=passed,
             runs=0,  # priced by the planner at the packed size the lengths give
         )
@@ -340,7 +340,7 @@ def _plan_score(pl, programs, held, models, rm_params):
             "values",
             programs.score_values,
             (value, critic_batch, packed),
-            live=_critic_trees(held),
+            live=held,
             passed=[n for n in _critic_trees(held) if n != "value.opt"],
             runs=programs.layout.rl.score_micro,
             group="critic",
@@ -383,14 +383,6 @@ def _critic_trees(held: list[str]) -> list[str]:
     return [n for n in held if n.startswith("value.")]
 
 
-def _learner_trees(pl: Planner, held: list[str]) -> list[str]:
-    """The trees of ``held`` on the learner's devices: all of them, but an interleaved
-    critic's (on its own group)."""
-    if pl.critic_mesh is None:
-        return list(held)
-    return [n for n in held if n not in _critic_trees(held)]
-
-
 def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
     """``placement.reference: sampler | own``: the reference's forward on the sampler's mesh
     (a generate phase) or its own group's (a score phase), on the rollout's rows split over
@@ -411,7 +403,7 @@ def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
         "reference",
         programs.reference_apart,
         (ref, batch, packed),
-        live=["reference.params"] if own else [*held, *copies],
+        live=[*held, *copies],
         passed=["reference.params"],
         runs=programs.reference_planner.score_micro,  # map_micro's scan body is one micro-batch
         group="reference_group" if own else "",
@@ -589,7 +581,7 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
             "update.critic",
             programs.update_value,
             ((states[1],), on_critic, critic_key, (frozen[1],), packed),
-            live=_critic_trees(held),
+            live=held,
             passed=_critic_trees(held),
             runs=runs,
             group="critic",
@@ -601,7 +593,7 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
         "update",
         programs.update,
         (states, learner_batch, pl.key, frozen, packed),
-        live=_learner_trees(pl, held),
+        live=held,
         passed=learners,
         runs=runs,
     )
@@ -611,7 +603,7 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
             packed_program_name("update", size),
             programs.update,
             (states, learner_batch, pl.key, frozen, size),
-            live=_learner_trees(pl, held),
+            live=held,
             passed=learners,
             runs=0,  # priced by the planner at the packed size the lengths give
         )
