@@ -1,6 +1,11 @@
 """Workload R1-long: the R1 GRPO step (benchmarks/rl_step.py) with G2's long-tailed response
 lengths, the static sampler against the rollout engine with streamed scoring.
 
+Three paths: ``static unpacked`` (the step before issue 19: the static scan sampler, and
+scoring and the update on rows padded to ``max_new_tokens``), ``static`` (the same sampler,
+then scoring and the update on the samples' real lengths, ``rollout.pack_sequences``) and
+``engine+stream`` (the rollout engine, scoring streamed while the tail decodes, packed).
+
 R1 (8 prompts x 4 samples, 64 random prompt tokens, a cheap programmatic reward, reference
 log-probs, one AdamW update over the 32 rows, KL 0.04) with ``max_new_tokens`` 512 and the
 32 rows' response lengths at the quantiles of G2's distribution (lognormal, median 48,
@@ -40,6 +45,9 @@ from jaxrlhf.train.rl_trainer import build_rl_trainer  # noqa: E402
 
 ROWS = rl_step.PROMPTS * rl_step.SAMPLES
 ENGINES = {
+    # The step before issue 19: the static sampler, scoring and the update on rows padded
+    # to max_new_tokens (prompt groups still share their prompt, rollout.shared_prefix).
+    "static unpacked": {"engine": "static", "pack_sequences": False},
     "static": {"engine": "static"},
     "engine+stream": {
         "engine": "continuous",
@@ -118,6 +126,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu-devices", type=int, default=1)
     parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=list(ENGINES),
+        choices=list(ENGINES),
+        help="which paths to run (default: all)",
+    )
+    parser.add_argument(
         "--pack-buckets",
         type=int,
         default=RolloutConfig.pack_buckets,
@@ -142,7 +157,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             trainers = {}
-            for name in ENGINES:
+            for name in args.runs:
                 out = os.path.join(tmp, f"{model}-{name}")
                 os.makedirs(out)
                 trainers[name] = _trainer(model, name, placement, out, args.pack_buckets)
@@ -166,7 +181,10 @@ def main() -> None:
                 packing = {k: v for k, v in rs[-1].items() if k.startswith("packing/")}
                 if packing:
                     print("    " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(packing.items())))
-            print(f"  engine+stream is {median['static'] / median['engine+stream']:.2f}x faster")
+            bases = [k for k in trainers if k != "engine+stream"]
+            for base in bases if "engine+stream" in trainers else ():
+                ratio = median[base] / median["engine+stream"]
+                print(f"  engine+stream is {ratio:.2f}x faster than {base}")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,15 @@ def test_rl_long_forces_the_quantile_lengths(tmp_path):
     assert metrics["response/length_mean"] == pytest.approx(lengths.mean(), rel=1e-6)
     # The update packed the long tail: fewer rows per data shard than it holds unpacked.
     assert metrics["packing/update_rows"] < rl_long.ROWS // trainer.layout.data_shards
+
+
+@pytest.mark.slow
+def test_rl_long_unpacked_baseline_runs_padded_rows(tmp_path):
+    """R1-long's baseline from before the rollout engine: the static sampler's rows cut at the
+    drawn lengths, then scored and trained padded (no sequence packing)."""
+    lengths = rl_long.quantile_lengths()
+    trainer = rl_long._trainer("bench-s", "static unpacked", "all", str(tmp_path), 4)
+    rl_long.force_lengths(trainer, lengths)
+    metrics = trainer.step().metrics
+    assert metrics["response/length_mean"] == pytest.approx(lengths.mean(), rel=1e-6)
+    assert not [k for k in metrics if k.startswith("packing/")]

@@ -240,8 +240,17 @@ class Attention(nn.Module):
         if isinstance(mask, SharedPrefixMask):  # packed groups (models/shared_prefix.py)
             out = shared_prefix_attention(q, k, v, mask, scale=scale, logit_cap=cap)
         else:
+            # Without a cache the queries are the keys' own slots and every mask jaxrlhf
+            # builds is causal in slot index (Decoder's ``mask``).
             out = dot_product_attention(
-                q, k, v, mask, scale=scale, impl=cfg.attention_impl, logit_cap=cap
+                q,
+                k,
+                v,
+                mask,
+                scale=scale,
+                impl=cfg.attention_impl,
+                logit_cap=cap,
+                causal=cache is None,
             )
         o_kernel = param(self, "o_kernel", (n, h, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), init)
         attn = out
@@ -485,7 +494,10 @@ class Decoder(nn.Module):
         cache_index: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "B T D"], KVCache | None]:
         """``mask``: one attention mask for every layer, or :class:`LayerMasks` (each layer
-        takes the part its ``layer_types`` entry names)."""
+        takes the part its ``layer_types`` entry names). Without a ``cache`` it must be
+        causal in slot index (False wherever key slot s > query slot t), as
+        :func:`~jaxrlhf.models.attention.causal_mask` and sequence packing's block mask are:
+        attention skips the key blocks above the diagonal."""
         cfg = self.cfg
         pos_embed = self.pos_embed if cfg.position_embedding == "learned" else None
         x = embed_inputs(cfg, self.constrain, self.embed, pos_embed, tokens, positions)

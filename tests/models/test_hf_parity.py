@@ -44,6 +44,21 @@ def test_logits_match_transformers(case, left, tmp_path):
     assert np.abs(expected[mask]).max() > 0.5  # the comparison is not between near-zeros
 
 
+@pytest.mark.parametrize("case", ["llama", "mistral", "gemma2", "qwen2_sliding"])
+@pytest.mark.parametrize("left", [True, False], ids=["left_pad", "right_pad"])
+def test_long_rows_match_transformers(case, left, tmp_path):
+    """Rows of 200 slots: attention without a cache runs in 3 causal query blocks
+    (models/attention.py, ``causal_blocks``), with full, windowed and mixed layers."""
+    hf_model = make_hf_model(case)
+    hf_model.save_pretrained(tmp_path)
+    vocab = hf_model.config.vocab_size
+    tokens, mask = padded_batch(vocab, lengths=(200, 131, 40), total=200, left=left)
+    expected = hf_outputs(hf_model, tokens, mask)
+    _, _, got = _ours(str(tmp_path), tokens, mask)
+    np.testing.assert_allclose(got[mask], expected[mask], atol=ATOL, rtol=0)
+    assert np.abs(expected[mask]).max() > 0.5
+
+
 @pytest.mark.parametrize("case", sorted(FAMILY_CASES))
 def test_export_roundtrip_loads_in_transformers(case, tmp_path):
     hf_model = make_hf_model(case, seed=1)
