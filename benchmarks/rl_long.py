@@ -65,6 +65,7 @@ def _trainer(
     out: str,
     pack_buckets: int,
     model_fields: dict | None = None,
+    micro_batch_size: int | None = None,
 ):
     preset = rl_step.MODELS.get(model, model)
     rl_step._config("R1", preset, None, out, placement, model_fields)  # writes R1.yaml
@@ -76,6 +77,8 @@ def _trainer(
         f"grpo.rollout.pack_buckets={pack_buckets}",
     ]
     overrides += [f"grpo.rollout.{k}={v}" for k, v in ENGINES[engine].items()]
+    if micro_batch_size is not None:
+        overrides.append(f"train.micro_batch_size={micro_batch_size}")
     trainer = build_rl_trainer(load_config(path, overrides))
     trainer.prompts = rl_step.RandomPrompts(trainer.model_cfg.vocab_size)
     trainer.task_fn = None
@@ -133,6 +136,13 @@ def main() -> None:
         help="which paths to run (default: all)",
     )
     parser.add_argument(
+        "--unpacked-micro-batch",
+        type=int,
+        default=None,
+        help="train.micro_batch_size of 'static unpacked' (gradient accumulation; bench-M's "
+        "padded update needs ~27 GB in one micro-batch); the other paths run one micro-batch",
+    )
+    parser.add_argument(
         "--pack-buckets",
         type=int,
         default=RolloutConfig.pack_buckets,
@@ -160,7 +170,10 @@ def main() -> None:
             for name in args.runs:
                 out = os.path.join(tmp, f"{model}-{name}")
                 os.makedirs(out)
-                trainers[name] = _trainer(model, name, placement, out, args.pack_buckets)
+                micro = args.unpacked_micro_batch if name == "static unpacked" else None
+                trainers[name] = _trainer(
+                    model, name, placement, out, args.pack_buckets, micro_batch_size=micro
+                )
                 force_lengths(trainers[name], lengths)
                 trainers[name].step()  # warm-up: compiles
             rows: dict[str, list[dict]] = {k: [] for k in trainers}

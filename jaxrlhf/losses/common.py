@@ -324,7 +324,8 @@ def _entropy(logits: Float[Array, "*B V"], lse: Float[Array, "*B 1"]) -> Float[A
     """``-sum_v p_v log p_v`` from float32 logits and their logsumexp.
 
     ``log p`` is floored at the smallest float32, which changes no finite logit's value and
-    makes a ``-inf`` logit's term ``0 * floor = 0`` (not ``0 * -inf``, NaN) with no gradient.
+    makes a ``-inf`` logit's term ``0 * floor = 0`` (not ``0 * -inf``, NaN) with no gradient;
+    a position whose logits are all ``-inf`` gets 0.
     The sum over ``V`` is a contraction: XLA:CPU (jax 0.10) runs a fused multiply-then-reduce
     over ``[T, V]`` logits 30-50x slower than the same contraction as a dot, and a select on
     ``isfinite`` costs several more passes (benchmarks/RESULTS.md); other backends simplify
@@ -332,4 +333,5 @@ def _entropy(logits: Float[Array, "*B V"], lse: Float[Array, "*B 1"]) -> Float[A
     them (TPU)."""
     logp = jnp.maximum(logits - lse, jnp.finfo(jnp.float32).min)
     p = jnp.exp(logp)
-    return -jnp.einsum("...v,...v->...", p, logp, precision=jax.lax.Precision.HIGHEST)
+    entropy = -jnp.einsum("...v,...v->...", p, logp, precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(jnp.isfinite(lse[..., 0]), entropy, 0.0)  # a row of -inf logits: 0

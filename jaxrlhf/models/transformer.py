@@ -7,6 +7,11 @@ at run time, see there). Every parameter carries logical axis names (models/axes
 activations are constrained through an optional ``constrain`` callable supplied by the
 sharding package, so this module never names a mesh axis.
 
+Every model here is causal: called without a KV cache, its attention mask must be False
+wherever key slot s > query slot t (as ``attention.causal_mask`` and sequence packing's masks
+are), because attention then skips the key blocks above the diagonal
+(``attention.block_causal_attention``). A bidirectional or prefix-LM mask is not supported.
+
 Param tree (``CausalLM``)::
 
     decoder/embed/embedding            [V, D]     (vocab, embed)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import losses
+from jaxrlhf.losses.common import token_logprobs_and_entropy
 from tests.losses.utils import (
     assert_close,
     check_transforms,
@@ -228,6 +229,17 @@ def test_entropy_hand_cases_and_masked_vocab():
     assert_close(losses.entropy_from_logits(masked), [np.log(3.0)])
     grad = jax.jit(jax.grad(lambda z: losses.entropy_from_logits(z).sum()))(masked)
     assert np.all(np.isfinite(np.asarray(grad)))
+    # dH/dz_i = -p_i (log p_i + H), 0 at the -inf entry: for z = [1, 0, 0, -inf].
+    z = jnp.array([[1.0, 0.0, 0.0, -jnp.inf]])
+    p = np.exp([1.0, 0.0, 0.0]) / np.exp([1.0, 0.0, 0.0]).sum()
+    h = -(p * np.log(p)).sum()
+    assert_close(losses.entropy_from_logits(z), [h])
+    grad = jax.grad(lambda z: losses.entropy_from_logits(z).sum())(z)
+    assert_close(grad, [list(-p * (np.log(p) + h)) + [0.0]])
+    # A position with every logit at -inf (nothing to choose from) has entropy 0, not NaN.
+    assert_close(losses.entropy_from_logits(jnp.full((1, 4), -jnp.inf)), [0.0])
+    _, entropy = token_logprobs_and_entropy(jnp.concatenate([z, z]), jnp.array([0, 1]))
+    assert_close(entropy, [h, h])
 
 
 def test_sequence_logprobs_hand_case():

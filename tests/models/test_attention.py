@@ -37,10 +37,10 @@ def _numpy_attention(q, k, v, mask, scale):
 
 def test_causal_blocks_cover_the_row_in_near_equal_blocks():
     assert A.causal_blocks(100) == [(0, 100)]  # under two minimum blocks: one block
-    assert A.causal_blocks(576) == [(64 * i, 64 * (i + 1)) for i in range(9)]
-    blocks = A.causal_blocks(4096)  # capped at CAUSAL_BLOCKS_MAX blocks
-    assert len(blocks) == A.CAUSAL_BLOCKS_MAX
-    assert blocks[0] == (0, 256) and blocks[-1] == (3840, 4096)
+    assert A.causal_blocks(512) == [(64 * i, 64 * (i + 1)) for i in range(8)]
+    blocks = A.causal_blocks(576)  # capped at CAUSAL_BLOCKS_MAX = 8 blocks
+    assert blocks == [(72 * i, 72 * (i + 1)) for i in range(8)]
+    assert A.causal_blocks(4096)[-1] == (3584, 4096)
     blocks = A.causal_blocks(200)  # 3 blocks of 66-67
     assert [b - a for a, b in blocks] == [67, 66, 67]
     assert all(b == c for (_, b), (c, _) in zip(blocks, blocks[1:], strict=False))
@@ -110,3 +110,33 @@ def test_causal_flag_skips_keys_above_the_diagonal():
     blocked = A.dot_product_attention(q, k, v, everything, scale=0.3, impl="xla", causal=True)
     np.testing.assert_allclose(np.asarray(blocked)[:, 64:], np.asarray(full)[:, 64:], atol=1e-6)
     assert np.abs(np.asarray(blocked)[:, :64] - np.asarray(full)[:, :64]).max() > 1e-2
+
+
+def test_the_model_takes_the_block_path_without_a_cache(monkeypatch):
+    """A forward without a cache runs block-causal attention in every layer (and its logits
+    equal the full attention's); prefill, which writes a cache, does not."""
+    from jaxrlhf.generation.decode import prefill
+    from jaxrlhf.models import model as M
+    from jaxrlhf.models.config import ModelConfig
+
+    cfg = ModelConfig.bench_s(num_layers=2, vocab_size=64, max_position_embeddings=256)
+    params = M.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 160), 0, 64)
+    mask = jnp.arange(160)[None] < jnp.array([[160], [97]])
+    calls = []
+    blocked = A.block_causal_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return blocked(*args, **kwargs)
+
+    monkeypatch.setattr(A, "block_causal_attention", counting)
+    logits = M.forward(M.build(cfg), params, tokens, mask)
+    assert calls == [160] * cfg.num_layers
+    monkeypatch.setattr(A, "block_causal_attention", lambda *a, **k: A.xla_attention(*a, **k))
+    full = M.forward(M.build(cfg), params, tokens, mask)
+    np.testing.assert_allclose(np.asarray(logits)[mask], np.asarray(full)[mask], atol=1e-5)
+    calls.clear()
+    monkeypatch.setattr(A, "block_causal_attention", counting)
+    prefill(cfg, lambda x, names: x, params, tokens[:, :96], mask[:, :96])
+    assert calls == []
