@@ -29,7 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.models.attention import LayerMasks, positions_from_mask, softcap, xla_attention
+from jaxrlhf.models.attention import (
+    LayerMasks,
+    block_causal_attention,
+    causal_blocks,
+    positions_from_mask,
+    softcap,
+)
 
 
 @flax.struct.dataclass
@@ -193,48 +199,69 @@ def shared_prefix_attention(
     """Grouped-query softmax attention over a packed batch, softmax in float32.
 
     The prompt block is ordinary causal attention. A response's queries score the prompt's
-    keys and their own response's keys as two matmuls and share one softmax over both. Fully
-    masked (padding) queries get a finite, meaningless output, as in the unpacked attention.
+    keys and their own response's keys as two matmuls and share one softmax over both. Both
+    run in causal query blocks (:func:`~jaxrlhf.models.attention.causal_blocks`): a block of
+    response queries scores its response's keys up to the block's end only. Fully masked
+    (padding) queries get a finite, meaningless output, as in the unpacked attention.
     """
     g, _, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     groups = num_heads // num_kv
     p, n, r = mask.prefix_len, mask.group_size, mask.response_len
-    out_prefix = xla_attention(q[:, :p], k[:, :p], v[:, :p], mask.prefix, scale, logit_cap)
-
-    # [G, K, n, groups*R, H]: one plain batched matmul per (group, kv head) against the
-    # prompt, per (group, kv head, response) against the response (see xla_attention).
+    out_prefix = block_causal_attention(q[:, :p], k[:, :p], v[:, :p], mask.prefix, scale, logit_cap)
+    # [G, K, n, groups, R, H] queries; [G, K, P, H] prompt and [G, K, n, R, H] response keys.
     qs = q[:, p:].reshape(g, n, r, num_kv, groups, head_dim).transpose(0, 3, 1, 4, 2, 5)
-    qs = qs.reshape(g, num_kv, n, groups * r, head_dim)
-    kp, vp = (x[:, :p].transpose(0, 2, 1, 3) for x in (k, v))  # [G, K, P, H]
+    kp, vp = (x[:, :p].transpose(0, 2, 1, 3) for x in (k, v))
     ks, vs = (x[:, p:].reshape(g, n, r, num_kv, head_dim).transpose(0, 3, 1, 2, 4) for x in (k, v))
+    blocks = [
+        _response_block(
+            qs[:, :, :, :, a:b],
+            (kp, vp),
+            (ks[:, :, :, :b], vs[:, :, :, :b]),
+            mask.cross[:, :, a:b],
+            mask.suffix[:, :, a:b, :b],
+            scale,
+            logit_cap,
+        )
+        for a, b in causal_blocks(r)
+    ]
+    out = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=4)
+    out_resp = out.transpose(0, 2, 4, 1, 3, 5).reshape(g, n * r, num_heads, head_dim)
+    return jnp.concatenate([out_prefix, out_resp.astype(out_prefix.dtype)], axis=1)
+
+
+def _response_block(qs, prompt_kv, response_kv, cross, suffix, scale, logit_cap):
+    """Attention of response queries ``qs`` [G, K, n, groups, Rq, H] over the prompt's keys
+    and values ([G, K, P, H]) and their own response's first ``Rk`` ([G, K, n, Rk, H]), with
+    masks ``cross`` [G, n, Rq, P] and ``suffix`` [G, n, Rq, Rk]: [G, K, n, groups, Rq, H].
+
+    One plain batched matmul per (group, kv head) against the prompt, per (group, kv head,
+    response) against the response (the layout of ``attention.xla_attention``)."""
+    (kp, vp), (ks, vs) = prompt_kv, response_kv
+    g, num_kv, n, groups, rq, head_dim = qs.shape
+    p, rk = kp.shape[2], ks.shape[3]
     f32 = jnp.float32
     floor = jnp.finfo(f32).min
-
-    logits_p = (
-        jnp.einsum(
-            "BKMH,BKSH->BKMS",
-            qs.reshape(g, num_kv, n * groups * r, head_dim),
-            kp,
-            preferred_element_type=f32,
-        ).reshape(g, num_kv, n, groups, r, p)
-        * scale
-    )
-    logits_s = jnp.einsum("BKNMH,BKNSH->BKNMS", qs, ks, preferred_element_type=f32)
-    logits_s = logits_s.reshape(g, num_kv, n, groups, r, r) * scale
-    logits_p, logits_s = softcap(logits_p, logit_cap), softcap(logits_s, logit_cap)
-    logits_p = jnp.where(mask.cross[:, None, :, None], logits_p, floor)
-    logits_s = jnp.where(mask.suffix[:, None, :, None], logits_s, floor)
+    flat = qs.reshape(g, num_kv, n, groups * rq, head_dim)
+    logits_p = jnp.einsum(
+        "BKMH,BKSH->BKMS",
+        flat.reshape(g, num_kv, n * groups * rq, head_dim),
+        kp,
+        preferred_element_type=f32,
+    ).reshape(g, num_kv, n, groups, rq, p)
+    logits_s = jnp.einsum("BKNMH,BKNSH->BKNMS", flat, ks, preferred_element_type=f32)
+    logits_s = logits_s.reshape(g, num_kv, n, groups, rq, rk)
+    logits_p, logits_s = softcap(logits_p * scale, logit_cap), softcap(logits_s * scale, logit_cap)
+    logits_p = jnp.where(cross[:, None, :, None], logits_p, floor)
+    logits_s = jnp.where(suffix[:, None, :, None], logits_s, floor)
     top = jax.lax.stop_gradient(jnp.maximum(logits_p.max(-1), logits_s.max(-1)))[..., None]
     exp_p, exp_s = jnp.exp(logits_p - top), jnp.exp(logits_s - top)
     denom = exp_p.sum(-1, keepdims=True) + exp_s.sum(-1, keepdims=True)
-    probs_p = (exp_p / denom).astype(v.dtype).reshape(g, num_kv, n * groups * r, p)
-    probs_s = (exp_s / denom).astype(v.dtype).reshape(g, num_kv, n, groups * r, r)
-    out = jnp.einsum("BKMS,BKSH->BKMH", probs_p, vp).reshape(g, num_kv, n, groups * r, head_dim)
+    probs_p = (exp_p / denom).astype(vp.dtype).reshape(g, num_kv, n * groups * rq, p)
+    probs_s = (exp_s / denom).astype(vs.dtype).reshape(g, num_kv, n, groups * rq, rk)
+    out = jnp.einsum("BKMS,BKSH->BKMH", probs_p, vp).reshape(g, num_kv, n, groups * rq, head_dim)
     out = out + jnp.einsum("BKNMS,BKNSH->BKNMH", probs_s, vs)
-    out = out.reshape(g, num_kv, n, groups, r, head_dim).transpose(0, 2, 4, 1, 3, 5)
-    out_resp = out.reshape(g, n * r, num_heads, head_dim)
-    return jnp.concatenate([out_prefix, out_resp.astype(out_prefix.dtype)], axis=1)
+    return out.reshape(g, num_kv, n, groups, rq, head_dim)
 
 
 def flops_fraction(prefix_len: int, response_len: int, group_size: int) -> float:

@@ -144,3 +144,46 @@ def test_bad_groups_are_refused():
 def test_flops_fraction():
     assert sp.flops_fraction(64, 64, 4) == 0.625  # R1: 64 + 4 * 64 of 4 * 128 tokens
     assert sp.flops_fraction(64, 64, 1) == 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_long_prompts_and_responses_in_causal_blocks_equal_full_attention(family, monkeypatch):
+    """A 130-slot prompt and 160-slot responses: the prompt and each response attend in 2
+    causal query blocks (``attention.causal_blocks``). Log-probs and gradients equal the same
+    packed forward with one block (full attention), and the unpacked rows' (Gemma 2: a
+    sliding and a full layer, soft-capped scores)."""
+    from jaxrlhf.models import attention
+
+    p, r, n = 130, 160, 2
+    assert len(attention.causal_blocks(p)) == len(attention.causal_blocks(r)) == 2
+    cfg = ModelConfig.tiny(family, max_position_embeddings=512)
+    module, params = M.build(cfg), _params(cfg)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(1, cfg.vocab_size, (1, p))
+    lengths = np.array([r, 97])
+    mask = np.concatenate([np.ones((n, p), bool), np.arange(r)[None] < lengths[:, None]], axis=1)
+    tokens = np.concatenate([np.repeat(prompt, n, 0), rng.integers(1, cfg.vocab_size, (n, r))], 1)
+    tokens, mask = jnp.asarray(np.where(mask, tokens, 0), jnp.int32), jnp.asarray(mask)
+    resp = np.asarray(mask[:, p:])
+
+    def run(group_size):
+        def loss(params):
+            lp, _ = RolloutForward(module, r, group_size).logprobs(params, tokens, mask)
+            return jnp.where(resp, lp[:, p:], 0.0).sum(), lp
+
+        (_, lp), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return lp, grads
+
+    blocked, blocked_grads = run(n)
+    unpacked, _ = run(1)
+    monkeypatch.setattr(attention, "causal_blocks", lambda length: [(0, length)])
+    monkeypatch.setattr(sp, "causal_blocks", lambda length: [(0, length)])
+    full, full_grads = run(n)
+    cols = np.s_[:, p:]
+    np.testing.assert_allclose(blocked[cols][resp], full[cols][resp], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(blocked[cols][resp], unpacked[cols][resp], atol=1e-5, rtol=0)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-5),
+        blocked_grads,
+        full_grads,
+    )
