@@ -176,9 +176,15 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None):
     logits = softcap(logits, logit_cap)
     # A finite floor (not -inf) keeps fully masked rows (padding queries) finite.
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    probs = probs.reshape(batch, num_kv, groups * q_len, -1)
-    out = jnp.einsum("BKMS,BKSH->BKMH", probs, v).reshape(batch, num_kv, groups, q_len, head_dim)
+    # Softmax normalised after the values' matmul: (sum_s e_s v_s) / sum_s e_s divides the
+    # [.., H] output instead of the [.., S] weights, which on CPU saves whole passes over the
+    # scores in the forward and the backward (benchmarks/RESULTS.md).
+    top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+    weights = jnp.exp(logits - top)  # [B, K, G, T, S]
+    denom = weights.sum(-1)[..., None]  # [B, K, G, T, 1]
+    weights = weights.astype(v.dtype).reshape(batch, num_kv, groups * q_len, -1)
+    out = jnp.einsum("BKMS,BKSH->BKMH", weights, v).reshape(batch, num_kv, groups, q_len, head_dim)
+    out = (out / denom).astype(v.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim)
 
 

@@ -256,12 +256,14 @@ def _response_block(qs, prompt_kv, response_kv, cross, suffix, scale, logit_cap)
     logits_s = jnp.where(suffix[:, None, :, None], logits_s, floor)
     top = jax.lax.stop_gradient(jnp.maximum(logits_p.max(-1), logits_s.max(-1)))[..., None]
     exp_p, exp_s = jnp.exp(logits_p - top), jnp.exp(logits_s - top)
-    denom = exp_p.sum(-1, keepdims=True) + exp_s.sum(-1, keepdims=True)
-    probs_p = (exp_p / denom).astype(vp.dtype).reshape(g, num_kv, n * groups * rq, p)
-    probs_s = (exp_s / denom).astype(vs.dtype).reshape(g, num_kv, n, groups * rq, rk)
-    out = jnp.einsum("BKMS,BKSH->BKMH", probs_p, vp).reshape(g, num_kv, n, groups * rq, head_dim)
-    out = out + jnp.einsum("BKNMS,BKNSH->BKNMH", probs_s, vs)
-    return out.reshape(g, num_kv, n, groups, rq, head_dim)
+    denom = exp_p.sum(-1, keepdims=True) + exp_s.sum(-1, keepdims=True)  # [G, K, n, groups, Rq, 1]
+    # Normalised after the values' matmuls, as in attention.xla_attention.
+    exp_p = exp_p.astype(vp.dtype).reshape(g, num_kv, n * groups * rq, p)
+    exp_s = exp_s.astype(vs.dtype).reshape(g, num_kv, n, groups * rq, rk)
+    out = jnp.einsum("BKMS,BKSH->BKMH", exp_p, vp).reshape(g, num_kv, n, groups * rq, head_dim)
+    out = out + jnp.einsum("BKNMS,BKNSH->BKNMH", exp_s, vs)
+    out = out.reshape(g, num_kv, n, groups, rq, head_dim) / denom
+    return out.astype(vs.dtype)
 
 
 def flops_fraction(prefix_len: int, response_len: int, group_size: int) -> float:
