@@ -327,10 +327,10 @@ def _entropy(logits: Float[Array, "*B V"], lse: Float[Array, "*B 1"]) -> Float[A
     makes a ``-inf`` logit's term ``0 * floor = 0`` (not ``0 * -inf``, NaN) with no gradient;
     a position whose logits are all ``-inf`` gets 0.
     The sum over ``V`` is a contraction: XLA:CPU (jax 0.10) runs a fused multiply-then-reduce
-    over ``[T, V]`` logits 30-50x slower than the same contraction as a dot, and a select on
-    ``isfinite`` costs several more passes (benchmarks/RESULTS.md); other backends simplify
-    either form alike. HIGHEST keeps float32 products where a backend's default would round
-    them (TPU)."""
+    over ``[1, T, V]`` logits about 70x slower than the same contraction as a dot, and a
+    select on ``isfinite`` costs several more passes (benchmarks/cpu_reductions.py,
+    benchmarks/RESULTS.md); other backends simplify either form alike. HIGHEST keeps float32
+    products where a backend's default would round them (TPU)."""
     logp = jnp.maximum(logits - lse, jnp.finfo(jnp.float32).min)
     p = jnp.exp(logp)
     entropy = -jnp.einsum("...v,...v->...", p, logp, precision=jax.lax.Precision.HIGHEST)
