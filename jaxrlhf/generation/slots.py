@@ -361,14 +361,16 @@ def decode_chunk(
     constrain: Constrain,
     statics: SamplingStatics,
     chunk: int,
-    fuse_shards: dict[str, int | None],
-    matmul_block: int,
     params: Any,
+    weights: Any,
     state: SlotState,
     arrays: dict[str, jax.Array],
 ) -> SlotState:
-    """``chunk`` steps of every slot: sample, then feed the sampled token."""
-    weights = decode_lib.decode_weights(params, cfg.num_layers, fuse_shards, matmul_block)
+    """``chunk`` steps of every slot: sample, then feed the sampled token.
+
+    ``weights`` is ``decode.decode_weights(params, ...)``, made once per engine call
+    (``Engine.decode_weights``) and passed to every chunk: built inside the chunk, its
+    per-layer slices and fused kernels would copy all the weights on every chunk."""
 
     def body(s: SlotState, _) -> tuple[SlotState, None]:
         sampled = sample_slots(s, arrays, statics)

@@ -220,9 +220,20 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     waves = -(-r.rows // engine.slots)  # every row max_new_tokens long: whole waves of slots
     admits = -(-r.prompts_per_step // a)
     pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed, runs=admits)
+    # The decode chunks read the weights in decode layout, made once per generate call.
+    weights = engine.decode_weights(gen_params)
+    weights_fn = engine.decode_weights_program()
+    pl.compile("generate", "decode weights", weights_fn, (gen_params,), live=live, passed=passed)
+    weights = pl.add(
+        "policy.generate.decode_weights",
+        weights,
+        jax.tree.map(lambda w: w.sharding or pl.replicated, weights),
+    )
+    live = [*live, "policy.generate.decode_weights"]
+    passed = [*passed, "policy.generate.decode_weights"]
     chunk = engine.chunk_program(programs.sampling.static(), p_len)
     steps = waves * -(-t // engine.chunk) * engine.chunk  # its scan body is one step
-    chunk_args = (gen_params, state, arrays)
+    chunk_args = (gen_params, weights, state, arrays)
     pl.compile("generate", "decode", chunk, chunk_args, live=live, passed=passed, runs=steps)
     rows, widths = engine.view_buckets(t)
     local = rows[-1]  # slots per shard
@@ -241,7 +252,7 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
         for view_rows, width in compiled:
             view = engine.view_chunk_program(programs.sampling.static(), p_len, view_rows, width)
             ids = sds((view_rows * engine.slot_shards,), jnp.int32, ids_sharding)
-            view_args = (gen_params, state, arrays, ids)
+            view_args = (gen_params, weights, state, arrays, ids)
             pl.compile(  # runs only on a ragged tail (no full-length wave needs it)
                 "generate",
                 view_program_name(view_rows, width),

@@ -117,17 +117,17 @@ def test_engine_settings_errors_are_one_line(tmp_path, overrides, message):
 
 
 def test_dry_run_plans_the_engine(tmp_path):
-    """The engine's admission and decode-chunk programs (the whole state, and the largest
-    view) replace the static sampler's; the note gives its KV cache: 8 slots x (16 + 6)
-    positions x 2 layers x K=2 heads x H=8 x (key + value) x 4 bytes = 45,056 B = 0.04 MiB
-    on one device."""
+    """The engine's admission, decode-weights and decode-chunk programs (the whole state,
+    and the largest view) replace the static sampler's; the note gives its KV cache:
+    8 slots x (16 + 6) positions x 2 layers x K=2 heads x H=8 x (key + value) x 4 bytes =
+    45,056 B = 0.04 MiB on one device."""
     from jaxrlhf.train import dry_run
 
     cfg, src = _config(tmp_path, "grpo", *ENGINE)
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
     names = [p.name for p in report.programs]
     views = ["decode view 4x6", "decode view 1x6", "decode view 8x6"]  # largest, corners
-    assert names == ["admit", "decode", *views, "score", "update"]
+    assert names == ["admit", "decode weights", "decode", *views, "score", "update"]
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
     # What the planner prices views with: K and V of 2 layers x 2 KV heads x 8 dims, fp32.
