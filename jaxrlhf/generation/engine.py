@@ -17,7 +17,7 @@ the engine instead keeps ``slots`` rows busy:
   admits queued prompts into free slots with :func:`admit`: one batched prefill per call,
   each prompt prefilled once and its cache copied into its ``n`` samples' slots. The weights
   in decode layout (per-layer trees, fused kernels) are made once per call
-  (:meth:`Engine.decode_weights`) and passed to every chunk.
+  (:meth:`Engine.decode_weights_program`) and passed to every chunk.
 * **Exactness.** A request's row ``r`` (prompt-major, as the static sampler numbers rows)
   samples step ``t`` with the random number ``draw_uniforms(key, R, T)[r, t]``, the static
   sampler's, whichever slot it lands in and whenever it starts; the logits come from the same
@@ -142,8 +142,6 @@ class Engine:
         self.sampler, self.slots, self.chunk, self.views = sampler, slots, chunk, views
         self.cfg: ModelConfig = sampler.cfg
         self._jitted: dict[tuple, Any] = {}
-        self._weights_fn: Any = None  # decode_weights' jitted program
-        self._weight_shardings: Any = None
 
     # -- programs ---------------------------------------------------------------------------
 
@@ -248,12 +246,13 @@ class Engine:
 
         return self._program("resume", (prompt_len, max_new_tokens), build)
 
-    def decode_weights(self, params: Any) -> Any:
-        """The weights as the decode chunks read them (``decode.decode_weights``: per-layer
-        trees, fused and blocked kernels), made from ``params`` (concrete or abstract) by
-        one jitted program. :meth:`generate` makes them once per call and passes them to
-        every chunk. Abstract params give abstract weights (with their shardings)."""
-        if self._weights_fn is None:
+    def decode_weights_program(self) -> Any:
+        """Jitted ``decode.decode_weights`` in this engine's layout: ``params -> weights``,
+        the weights as the decode chunks read them (per-layer trees, fused and blocked
+        kernels). :meth:`generate` runs it once per call and passes its output to every
+        chunk; the chunk programs take the weights in the sharding this program gives them."""
+
+        def build():
             shards = decode_lib.fused_shards(self.cfg, self.sampler.param_shardings)
             fn = functools.partial(
                 decode_lib.decode_weights,
@@ -261,30 +260,11 @@ class Engine:
                 shards=shards,
                 block=self.sampler.matmul_block,
             )
-            mesh = self.sampler.mesh
-            in_sh = None if mesh is None else (self.sampler.param_shardings,)
-            self._weights_fn = jax.jit(fn, in_shardings=in_sh)
-            if mesh is not None:  # the chunk programs take the weights in this layout
-                self._weight_shardings = self._weights_fn.lower(params).compile().output_shardings
-        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            return self._weights_fn(params)
-        abstract = jax.eval_shape(self._weights_fn, params)
-        if self._weight_shardings is None:
-            return abstract
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract,
-            self._weight_shardings,
-        )
+            if self.sampler.mesh is None:
+                return jax.jit(fn)
+            return jax.jit(fn, in_shardings=(self.sampler.param_shardings,))
 
-    def decode_weights_program(self) -> Any:
-        """The jitted program behind :meth:`decode_weights` (None before its first call)."""
-        return self._weights_fn
-
-    def _weights_in_shardings(self) -> Any:
-        if self._weights_fn is None:
-            raise RuntimeError("Engine: decode_weights(params) must run before the chunk programs")
-        return self._weight_shardings
+        return self._program("weights", (), build)
 
     def _decode_chunk(self, statics: SamplingStatics) -> Any:
         """:func:`decode_chunk` with this engine's model and chunk length bound:
@@ -295,18 +275,16 @@ class Engine:
 
     def chunk_program(self, statics: SamplingStatics, prompt_len: int) -> Any:
         """Jitted :func:`decode_chunk`: ``(params, weights, state, arrays) -> state``, the
-        state donated (updated in place); ``weights`` from :meth:`decode_weights`, which must
-        have run once before."""
+        state donated (updated in place); ``weights`` from :meth:`decode_weights_program`."""
 
         def build():
             fn = self._decode_chunk(statics)
-            weight_sh = self._weights_in_shardings()
             sh = self.state_shardings(prompt_len, statics.max_new_tokens)
             if sh is None:
                 return jax.jit(fn, donate_argnums=2)
-            return jax.jit(
+            return jax.jit(  # the weights as decode_weights_program lays them out (None)
                 fn,
-                in_shardings=(self.sampler.param_shardings, weight_sh, sh, None),
+                in_shardings=(self.sampler.param_shardings, None, sh, None),
                 out_shardings=sh,
                 donate_argnums=2,
             )
@@ -330,7 +308,6 @@ class Engine:
 
         def build():
             chunk = self._decode_chunk(statics)
-            weight_sh = self._weights_in_shardings()
             take = functools.partial(take_view, width=width)
             sh = self.state_shardings(prompt_len, statics.max_new_tokens)
             if sh is not None:  # cut and write back shard-locally: no slot crosses devices
@@ -353,7 +330,7 @@ class Engine:
             ids_sharding = sh.done
             return jax.jit(
                 run,
-                in_shardings=(self.sampler.param_shardings, weight_sh, sh, None, ids_sharding),
+                in_shardings=(self.sampler.param_shardings, None, sh, None, ids_sharding),
                 out_shardings=sh,
                 donate_argnums=2,
             )
@@ -534,7 +511,7 @@ class _Run(EpisodeSteps):
         if self.carry is not None:
             self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
-        weights = eng.decode_weights(self.params)
+        weights = eng.decode_weights_program()(self.params)
         chunk_fn = eng.chunk_program(self.statics, self.prompt_len)
         while len(self.kept) < self.keep:
             state = self._admit(state)

@@ -369,7 +369,7 @@ def decode_chunk(
     """``chunk`` steps of every slot: sample, then feed the sampled token.
 
     ``weights`` is ``decode.decode_weights(params, ...)``, made once per engine call
-    (``Engine.decode_weights``) and passed to every chunk: built inside the chunk, its
+    (``Engine.decode_weights_program``) and passed to every chunk: built inside the chunk, its
     per-layer slices and fused kernels would copy all the weights on every chunk."""
 
     def body(s: SlotState, _) -> tuple[SlotState, None]:

@@ -206,6 +206,16 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     sharding = engine.state_shardings(p_len, t)
     abstract = jax.eval_shape(engine.empty_program(p_len, t))
     state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, sharding)
+    # The decode chunks read the weights in decode layout, made once per generate call
+    # before the first admission: alive in every admission, passed to the chunks.
+    weights_fn = engine.decode_weights_program()
+    made = pl.compile(
+        "generate", "decode weights", weights_fn, (gen_params,), live=live, passed=passed
+    )
+    weights = pl.add(
+        "engine.decode_weights", jax.eval_shape(weights_fn, gen_params), made.output_shardings
+    )
+    live = [*live, "engine.decode_weights"]
     a, n = engine.slots // r.num_samples, r.num_samples
     admit_args = (
         gen_params,
@@ -220,17 +230,7 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     waves = -(-r.rows // engine.slots)  # every row max_new_tokens long: whole waves of slots
     admits = -(-r.prompts_per_step // a)
     pl.compile("generate", "admit", admit, admit_args, live=live, passed=passed, runs=admits)
-    # The decode chunks read the weights in decode layout, made once per generate call.
-    weights = engine.decode_weights(gen_params)
-    weights_fn = engine.decode_weights_program()
-    pl.compile("generate", "decode weights", weights_fn, (gen_params,), live=live, passed=passed)
-    weights = pl.add(
-        "policy.generate.decode_weights",
-        weights,
-        jax.tree.map(lambda w: w.sharding or pl.replicated, weights),
-    )
-    live = [*live, "policy.generate.decode_weights"]
-    passed = [*passed, "policy.generate.decode_weights"]
+    passed = [*passed, "engine.decode_weights"]
     chunk = engine.chunk_program(programs.sampling.static(), p_len)
     steps = waves * -(-t // engine.chunk) * engine.chunk  # its scan body is one step
     chunk_args = (gen_params, weights, state, arrays)

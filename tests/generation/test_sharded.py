@@ -96,6 +96,32 @@ def test_fused_decode_weights_add_no_communication(shape, monkeypatch):
     assert fused["all-reduce"] > 0  # the count does see the tensor-parallel reductions
 
 
+def test_engine_decode_weights_stay_on_their_devices():
+    """The rollout engine makes its decode-layout weights once per call in a program of
+    their own (Engine.decode_weights_program) and its chunks take them as they come: on a
+    2x2x2 mesh that program moves no data between devices, and each device holds no more
+    of the weights than of the params (no fused kernel comes out replicated)."""
+    from jaxrlhf.generation.engine import Engine
+    from jaxrlhf.sharding.model_sharding import bytes_per_device
+
+    cfg, host_params = tiny_cfg("llama"), tiny_params("llama")
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    s = Sampler(cfg, mesh, matmul_block=64)
+    params, _ = s.to_generate_layout(host_params)
+    program = Engine(s, slots=4).decode_weights_program()
+    hlo = program.lower(params).compile().as_text()
+    ops = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+    assert not [op for op in ops if re.search(rf"= \S+ {op}(?:-start)?\(", hlo)]
+    weights = program(params)
+
+    def per_device(tree):
+        return bytes_per_device(jax.tree.map(lambda x: x.sharding, tree), tree)
+
+    params_bytes = per_device({"decoder": {"layers": params["decoder"]["layers"]}})
+    for device, n in per_device(weights[0]).items():
+        assert n <= params_bytes[device]
+
+
 @pytest.mark.parametrize("family", ["mixtral", "gemma2"])
 def test_sharded_greedy_equals_single_device_new_families(family):
     """An MoE with its 4 experts split over fsdp 4 in the generation layout (expert

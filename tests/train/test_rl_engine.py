@@ -117,7 +117,7 @@ def test_engine_settings_errors_are_one_line(tmp_path, overrides, message):
 
 
 def test_dry_run_plans_the_engine(tmp_path):
-    """The engine's admission, decode-weights and decode-chunk programs (the whole state,
+    """The engine's decode-weights, admission and decode-chunk programs (the whole state,
     and the largest view) replace the static sampler's; the note gives its KV cache:
     8 slots x (16 + 6) positions x 2 layers x K=2 heads x H=8 x (key + value) x 4 bytes =
     45,056 B = 0.04 MiB on one device."""
@@ -127,10 +127,17 @@ def test_dry_run_plans_the_engine(tmp_path):
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
     names = [p.name for p in report.programs]
     views = ["decode view 4x6", "decode view 1x6", "decode view 8x6"]  # largest, corners
-    assert names == ["admit", "decode weights", "decode", *views, "score", "update"]
+    assert names == ["decode weights", "admit", "decode", *views, "score", "update"]
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
     # What the planner prices views with: K and V of 2 layers x 2 KV heads x 8 dims, fp32.
     kv = 2 * 2 * 2 * 8 * 4
     assert report.engine_layout == dry_run.EngineLayout(8, 1, kv, ((4, 6), (1, 6), (8, 6)))
     assert "up to 3 smaller decode views" in note  # 4, 2 or 1 of the 8 slots
+    # The decode-layout weights are made before the first admission and live until the last
+    # chunk: held beside the admission, passed to the chunks.
+    made, admit, decode = report.programs[:3]
+    assert admit.state_bytes == decode.state_bytes
+    # XLA's output size also counts the output tuple's table of buffer pointers (8 B each).
+    table = made.output_bytes - (admit.resident_bytes - decode.resident_bytes)
+    assert made.output_bytes > 50_000 and 0 <= table <= 8 * 64
