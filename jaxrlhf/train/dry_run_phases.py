@@ -172,6 +172,7 @@ class Planner:
         self.critic_bytes: tuple[int, int] | None = None  # Hydra: (its critic, a separate one)
         self.reshard_bytes = 0  # bytes a device receives moving the policy to the sampler
         self.engine_layout: EngineLayout | None = None  # the rollout engine's slots, if any
+        self.generate_live: list[str] = []  # the trees alive while the sampler generates
         self.replicated = NamedSharding(mesh, P())
         self.key = jax.eval_shape(lambda: jax.random.key(0))
 

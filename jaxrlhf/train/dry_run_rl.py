@@ -163,6 +163,7 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
         gen_live = [*held, "policy.generate.copy"]
         gen_passed = ["policy.generate.copy", "policy.generate.shared"]
     pl.roles[0] = dataclasses.replace(pl.roles[0], generate_bytes=pl.nbytes("policy.generate"))
+    pl.generate_live = gen_live
     b, p_len = programs.algo.rollout.prompts_per_step, cfg.data.max_prompt_length
     statics = programs.sampling.static()
     arrays = jax.tree.map(lambda x: sds(x.shape, x.dtype), programs.sampling.arrays())
@@ -406,9 +407,9 @@ def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
     abstract, shardings = pl.trees["reference.params"]
     ref = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, shardings)
     own = pl.reference_mesh is not None
-    # On the sampler's devices its copy of the policy is alive meanwhile (the producer
-    # holds it); a group of its own holds the reference alone.
-    copies = [] if own else [n for n in pl.trees if n.startswith("policy.generate")]
+    # On the sampler's devices what generation holds is alive meanwhile (its copy of the
+    # policy: the producer holds it); a group of its own holds the reference alone.
+    copies = [] if own else [n for n in pl.generate_live if n not in held]
     pl.compile(
         "score" if own else "generate",
         "reference",

@@ -280,6 +280,8 @@ def test_plan_with_the_reference_apart(tmp_path, placement, phase, where):
     assert planned["reference"].phase == phase
     reference = next(r for r in report.roles if r.role == "reference")
     assert where in reference.note
+    if phase == "generate":  # beside what generation holds: its copy of the policy, once
+        assert planned["reference"].state_bytes == planned["decode"].state_bytes
 
     trainer = build_rl_trainer(cfg)
     assert trainer.ref_params is None
