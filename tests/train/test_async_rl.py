@@ -160,11 +160,13 @@ def test_asynchronous_run_scores_the_reference_on_its_own_group(
 ):
     """Staleness 1 with the reference on its own device (1): each iteration's reference
     forward is recorded there and the run trains with a finite KL. The timeline measures the
-    learner-reference overlap from the learner's own phases: with 2 minibatches the
-    learner's old-policy forward (as long as the reference's) runs beside most of the
-    reference's time (measured: all of it); with 1 the update's forward stands in for it,
-    the learner's scoring forward computes nothing and the reference runs alone (measured:
-    2% of its time overlapped, the empty program's dispatch)."""
+    learner-reference overlap from the learner's own phases. With 2 minibatches the
+    learner's old-policy forward (as long as the reference's) runs beside the reference's:
+    the overlap is not 0 (it is exactly 0 when the two run one after the other; measured on
+    an idle 2-core VM: all of the reference's time). With 1 the update's forward stands in
+    for it and the learner's scoring forward computes nothing, so how much of the reference
+    it overlaps is only dispatch and scheduling (measured idle: 2%; a CI run under load
+    measured over half): no bound is asserted on it, only the phases."""
     timeline = _staleness_1_run_with_the_reference_apart(
         tmp_path,
         "placement.strategy=interleaved",
@@ -176,9 +178,10 @@ def test_asynchronous_run_scores_the_reference_on_its_own_group(
     assert [(p["name"], p["step"], p["devices"]) for p in phases] == [
         ("reference", step, [1]) for step in range(3)
     ]
-    summary = timeline["summary"]
-    overlapped = summary["reference_overlap_frac"] / summary["reference/busy_frac"]
-    assert overlapped > 0.5 if minibatches == 2 else overlapped < 0.5
+    learner = [p for p in timeline["phases"] if p["group"] == "learner" and p["name"] == "score"]
+    assert sorted({p["step"] for p in learner}) == [0, 1, 2]
+    if minibatches == 2:
+        assert timeline["summary"]["reference_overlap_frac"] > 0
     assert timeline["groups"]["reference"] == [1]
 
 
