@@ -30,25 +30,29 @@ def test_host_cores_by_hand():
     assert host_cores(samples[::-1]) == 1.5  # threads may record out of order
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _spin_cpu(seconds: float) -> None:
+    """Spins until this process has used ``seconds`` more CPU time (however long that takes
+    on a loaded machine)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
         pass
 
 
 def test_timeline_samples_process_cpu():
-    """One thread spinning between two phase ends keeps about one core busy; sleeping, none.
-    Bounds allow for a loaded machine (the spin may be descheduled) and for the interpreter's
-    own threads (a few percent)."""
+    """The samples hold the process's CPU time: 0.3 CPU seconds spun between two phase ends
+    are there (plus at most 0.1 s of the interpreter's and XLA's own threads), and a 0.3 s
+    sleep adds almost none. CPU time, not wall time, so a loaded machine that deschedules the
+    spin changes nothing."""
     timeline = Timeline({"sampler": (0,), "learner": (1,)})
     timeline.record("sample", "sampler", 0, 0.0, timeline.now())
-    _spin(0.3)
+    _spin_cpu(0.3)
     timeline.record("update", "learner", 0, 0.0, timeline.now())
-    busy = host_cores(timeline.cpu)
-    assert 0.5 < busy < 1.2
+    spun = timeline.cpu[1].cpu - timeline.cpu[0].cpu
+    assert 0.3 <= spun < 0.4
     time.sleep(0.3)
     timeline.record("update", "learner", 1, 0.0, timeline.now())
-    assert host_cores(timeline.cpu[1:]) < 0.3
+    assert timeline.cpu[2].cpu - timeline.cpu[1].cpu < 0.05
+    assert timeline.cpu[2].wall - timeline.cpu[1].wall >= 0.3
     assert timeline.to_json()["summary"]["host/cpu_cores"] == pytest.approx(
         host_cores(timeline.cpu)
     )
