@@ -82,6 +82,8 @@ def _train(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import jax  # (no backend starts here: the CPU host is configured in _train first)
+
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("jaxrlhf").setLevel(logging.INFO)
     from jaxrlhf.data import DataError
@@ -89,7 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxrlhf.rewards import RewardError
     from jaxrlhf.sharding import MeshError, ShardingRuleError
     from jaxrlhf.train.checkpointing import NonFiniteStateError
-    from jaxrlhf.train.preemption import Preempted, TrainingDiverged
+    from jaxrlhf.train.preemption import (
+        OutOfDeviceMemory,
+        Preempted,
+        TrainingDiverged,
+        is_out_of_memory,
+        out_of_memory_message,
+    )
 
     user_errors = (ConfigError, DataError, CheckpointError, MeshError, ShardingRuleError)
 
@@ -107,8 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     except (*user_errors, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingDiverged, NonFiniteStateError) as e:
+    except (TrainingDiverged, NonFiniteStateError, OutOfDeviceMemory) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except jax.errors.JaxRuntimeError as e:  # out of memory outside the steps
+        if not is_out_of_memory(e):
+            raise
+        where = "while setting up, restoring or exporting the run"
+        print(f"error: {out_of_memory_message(e, where)}", file=sys.stderr)
         return 1
     except Preempted as e:
         print(e, file=sys.stderr)

@@ -44,7 +44,14 @@ from jaxrlhf.train.metrics import (
     plot_history,
     read_history,
 )
-from jaxrlhf.train.preemption import StopSignals, TrainingDiverged, check_skips
+from jaxrlhf.train.preemption import (
+    OutOfDeviceMemory,
+    StopSignals,
+    TrainingDiverged,
+    check_skips,
+    is_out_of_memory,
+    out_of_memory_message,
+)
 from jaxrlhf.train.rl_trainer import RLTrainer, build_rl_trainer
 from jaxrlhf.train.run_dir import RunLock, check_output_dir
 from jaxrlhf.train.supervised import (
@@ -173,19 +180,44 @@ def _finish(trainer: Trainable, run_dir: str, history: list[dict[str, Any]], mai
 @contextlib.contextmanager
 def _saved_on_stop(trainer: Trainable, ckpt: RunCheckpointer, window: _Window):
     """Saves the last good state when a run stops on bad input (a reward function that
-    fails or returns non-finite scores) or diverges (too many skipped updates), then lets the
-    error go on. Both leave the state as it was before the failing step: the reward fails
-    before the update, and a skipped update changes nothing."""
+    fails or returns non-finite scores), diverges (too many skipped updates) or runs out of
+    device memory, then lets the error go on (out of memory as :class:`OutOfDeviceMemory`,
+    one line). A failing reward and a skipped update leave the state as it was before the
+    failing step; a step that ran out of memory may have consumed it (donated buffers), and
+    then only the last saved checkpoint stands. With several processes an out-of-memory
+    stop saves nothing (a save is collective and the others may not have failed)."""
     try:
         yield
     except (RewardError, TrainingDiverged) as e:
-        step = trainer.steps_done
-        if step > 0 and step not in ckpt.steps():
-            ckpt.save(step, *_snapshot(trainer, window), wait=True)
-        where = f"checkpoint {ckpt.last_saved} in {ckpt.directory}"
-        if ckpt.last_saved is None:
-            where = "nothing to save (no step had finished)"
-        raise type(e)(f"{e} The last good state: {where}.") from e
+        raise type(e)(f"{e} The last good state: {_save_last_good(trainer, ckpt, window)}.") from e
+    except jax.errors.JaxRuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        arrays, _ = trainer.snapshot()
+        intact = not any(
+            isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(arrays)
+        )
+        if intact and jax.process_count() == 1:
+            where = _save_last_good(trainer, ckpt, window)
+        else:
+            where = _last_saved(ckpt, "none (no checkpoint had been saved)")
+        step = trainer.steps_done + 1
+        message = out_of_memory_message(e, f"in step {step}")
+        raise OutOfDeviceMemory(f"{message} The last good state: {where}.") from e
+
+
+def _save_last_good(trainer: Trainable, ckpt: RunCheckpointer, window: _Window) -> str:
+    """Saves the trainer's state unless its step is saved already; says where it is."""
+    step = trainer.steps_done
+    if step > 0 and step not in ckpt.steps():
+        ckpt.save(step, *_snapshot(trainer, window), wait=True)
+    return _last_saved(ckpt)
+
+
+def _last_saved(ckpt: RunCheckpointer, none: str = "nothing to save (no step had finished)") -> str:
+    if ckpt.last_saved is None:
+        return none
+    return f"checkpoint {ckpt.last_saved} in {ckpt.directory}"
 
 
 def _train(
@@ -269,6 +301,7 @@ def run(
       ConfigError, DataError, CheckpointError, MeshError, RewardError: one-line user errors.
       Preempted: a signal stopped the run (after saving a checkpoint).
       TrainingDiverged: ``train.max_consecutive_skips`` non-finite updates in a row.
+      OutOfDeviceMemory: a step ran out of device memory (after saving the last good state).
     """
     layout = validate(
         cfg,

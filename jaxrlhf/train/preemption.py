@@ -51,6 +51,31 @@ class TrainingDiverged(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
+class OutOfDeviceMemory(RuntimeError):
+    """A device ran out of memory (XLA's ``RESOURCE_EXHAUSTED``); the message is one line
+    that says where and what to try."""
+
+
+OOM_ADVICE = (
+    "`python -m jaxrlhf.train --config ... --dry-run` prints each phase's memory per device; "
+    "lower the batch, micro-batch, rollout or sequence sizes, turn on model.remat, or give "
+    "the run more devices"
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is XLA running out of device (or host) memory."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def out_of_memory_message(error: BaseException, where: str) -> str:
+    """One line: ``where`` it happened, XLA's own first line (the allocation that failed)
+    and :data:`OOM_ADVICE`."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = lines[0] if lines else "RESOURCE_EXHAUSTED"
+    return f"out of device memory {where} ({first.rstrip('.')}). {OOM_ADVICE}."
+
+
 def check_skips(run: int, step: int, limit: int) -> None:
     """Raises :class:`TrainingDiverged` when ``run`` consecutive updates were skipped.
 

@@ -165,6 +165,66 @@ def test_a_non_finite_reward_keeps_the_iterations_before_it(tmp_path):
     assert [r["step"] for r in resumed.history] == [1, 2, 3, 4, 5, 6]
 
 
+def _out_of_memory_at_step(monkeypatch, step: int, consume_state: bool = False) -> None:
+    """Makes the trainer's ``step``-th step run out of memory for real: a jitted 4 TiB
+    allocation, which XLA refuses with RESOURCE_EXHAUSTED. ``consume_state`` first deletes
+    a leaf of the state, as a step that donated its buffers before failing leaves it."""
+    build = loop.build_trainer
+
+    def build_failing(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        step_once = trainer.step
+
+        def failing_step():
+            if trainer.steps_done + 1 == step:
+                if consume_state:
+                    leaves = jax.tree.leaves(trainer.snapshot()[0])
+                    max(leaves, key=lambda x: x.size).delete()  # a weight, not the key's copy
+                jax.block_until_ready(jax.jit(lambda: jax.numpy.ones((1 << 40,)))())
+            return step_once()
+
+        trainer.step = failing_step
+        return trainer
+
+    monkeypatch.setattr(loop, "build_trainer", build_failing)
+
+
+def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
+    """A step that runs out of device memory stops the run with one line (where, XLA's
+    allocation, what to try) after saving the last good state; resuming goes on from it."""
+    _out_of_memory_at_step(monkeypatch, 4)
+    cfg = _grpo(tmp_path)
+    with pytest.raises(loop.OutOfDeviceMemory) as e:
+        loop.run(cfg)
+    message = str(e.value)
+    assert message.startswith("out of device memory in step 4 (RESOURCE_EXHAUSTED: Out of memory")
+    assert "--dry-run` prints each phase's memory per device" in message
+    assert message.endswith(f"The last good state: checkpoint 3 in {tmp_path}/run/checkpoints.")
+    assert "\n" not in message
+    ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
+    assert ckpt.steps() == [3]
+    monkeypatch.undo()
+    resumed = loop.run(cfg)
+    assert [r["step"] for r in resumed.history] == [1, 2, 3, 4, 5, 6]
+
+
+def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    """When the failing step had consumed the state (donated buffers), nothing is saved from
+    it: the command line prints one line naming the last checkpoint saved (step 2) and exits
+    with 1."""
+    _out_of_memory_at_step(monkeypatch, 4, consume_state=True)
+    _grpo(tmp_path)  # writes grpo.yaml
+    argv = ["--config", str(tmp_path / "grpo.yaml"), "checkpoint.every=2"]
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: out of device memory in step 4 (RESOURCE_EXHAUSTED"), err
+    assert err[-1].endswith(f"The last good state: checkpoint 2 in {tmp_path}/run/checkpoints.")
+    ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
+    assert ckpt.steps() == [2]
+
+
 def strings(prompts, completions, **columns):
     return ["good"] * len(prompts)
 
