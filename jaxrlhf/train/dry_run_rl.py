@@ -26,6 +26,7 @@ from jaxrlhf.sharding.reshard import bytes_received
 from jaxrlhf.train.dry_run_phases import EngineLayout, Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
+from jaxrlhf.train.rl_stream import stream_rows
 from jaxrlhf.train.rl_types import LearnerBatch
 from jaxrlhf.train.state import create_state, state_shardings
 
@@ -206,7 +207,7 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     p_len, t = cfg.data.max_prompt_length, r.max_new_tokens
     sharding = engine.state_shardings(p_len, t)
     abstract = jax.eval_shape(engine.empty_program(p_len, t))
-    state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, sharding)
+    state = pl.add("engine.state", abstract, sharding)  # alive while streamed scoring runs
     # The decode chunks read the weights in decode layout, made once per generate call
     # before the first admission: alive in every admission, passed to the chunks.
     weights_fn = engine.decode_weights_program()
@@ -374,6 +375,70 @@ def _plan_score(pl, programs, held, models, rm_params):
             shape,
         )
     return batch, scored
+
+
+def _plan_streamed_score(pl, programs, models, rm_params) -> None:
+    """With the engine and ``stream_scoring``, the scoring forwards (and the reward model)
+    of each finished micro-batch run between decode chunks, while the engine's slot state,
+    its decode weights and the sampler's copy of the policy are alive, and the forwards of
+    the micro-batches scored so far (up to the whole rollout's) are held: compiled at the
+    streamed micro-batch's rows, unpacked (its most memory), with all that counted on the
+    devices it shares with them. Memory only: their time is the scoring phase's already
+    (``runs=0``)."""
+    r = programs.algo.rollout
+    if programs.engine is None or not r.stream_scoring or r.environment is not None:
+        return
+    (policy_params, ref_params, value_params), passed = models
+    if programs.critic_mesh is not None:  # the critic's values are scored after the rollout
+        value_params = None
+        passed = [n for n in passed if not n.startswith("value.")]
+    length = pl.cfg.data.max_prompt_length + r.max_new_tokens
+    shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
+    micro = stream_rows(r.rows, r.num_samples, shards)
+
+    def placed(rows: int) -> Any:
+        return jax.tree.map(
+            lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
+            abstract_rows(rows, length, packed=False),
+        )
+
+    held_forwards = jax.eval_shape(
+        lambda *a: programs.score_forwards(*a, None),
+        policy_params,
+        ref_params,
+        value_params,
+        placed(r.rows),
+    )
+    pl.add(
+        "score.streamed",
+        held_forwards,
+        jax.tree.map(lambda a: programs.rows(a.ndim) if a.ndim else pl.replicated, held_forwards),
+    )
+    live = list(
+        dict.fromkeys(
+            [*pl.generate_live, "engine.decode_weights", "engine.state", "score.streamed"]
+        )
+    )
+    batch = placed(micro)
+    if rm_params is not None:
+        pl.compile(
+            "score",
+            "reward (streamed)",
+            programs.reward,
+            (rm_params, batch.tokens, batch.mask, batch.packing, None),
+            live=live,
+            passed=["reward.params"],
+            runs=0,
+        )
+    pl.compile(
+        "score",
+        "score (streamed)",
+        programs.score_forwards,
+        (policy_params, ref_params, value_params, batch, None),
+        live=live,
+        passed=passed,
+        runs=0,
+    )
 
 
 def packed_program_name(name: str, rows: int) -> str:
@@ -568,6 +633,7 @@ def plan_rl(pl: Planner, layout: RunLayout) -> str:
     _plan_generate(pl, programs, held)
 
     batch, scored = _plan_score(pl, programs, held, models, rm_params)
+    _plan_streamed_score(pl, programs, models, rm_params)
     # -- train: epochs x minibatches x micro-batches of every learner ------------------------
     rows = batch.tokens.shape[0]
     kl_coef = sds((rows,), jnp.float32, pl.replicated)

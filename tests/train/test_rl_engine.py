@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.config import ConfigError
+from jaxrlhf.train.rl_scoring import abstract_rows
 from jaxrlhf.train.rl_trainer import build_rl_trainer
 from tests.train.test_rl import _config, _one_device_mesh
 
@@ -127,7 +128,8 @@ def test_dry_run_plans_the_engine(tmp_path):
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
     names = [p.name for p in report.programs]
     views = ["decode view 4x6", "decode view 1x6", "decode view 8x6"]  # largest, corners
-    assert names == ["decode weights", "admit", "decode", *views, "score", "update"]
+    streamed = ["score (streamed)"]  # stream_scoring is on by default
+    assert names == ["decode weights", "admit", "decode", *views, "score", *streamed, "update"]
     (note,) = [n for n in report.notes if n.startswith("rollout engine")]
     assert "8 slots of 16 + 6 tokens" in note and "0.04 MiB per device" in note
     # What the planner prices views with: K and V of 2 layers x 2 KV heads x 8 dims, fp32.
@@ -141,3 +143,22 @@ def test_dry_run_plans_the_engine(tmp_path):
     # XLA's output size also counts the output tuple's table of buffer pointers (8 B each).
     table = made.output_bytes - (admit.resident_bytes - decode.resident_bytes)
     assert made.output_bytes > 50_000 and 0 <= table <= 8 * 64
+    # Streamed scoring runs between chunks: beside what the chunks hold it counts the slot
+    # state (the chunk's argument, not held there) and the forwards scored so far (up to
+    # the whole rollout's), and its micro-batch is a quarter of the 16 rows (whole groups).
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    programs = trainer.programs
+    state = jax.eval_shape(programs.engine.empty_program(16, 6))
+    forwards = jax.eval_shape(
+        lambda *a: programs.score_forwards(*a, None),
+        trainer.policy_params,
+        trainer.ref_params,
+        trainer.value_params,
+        abstract_rows(16, 22, packed=False),
+    )
+    extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
+    assert extra > 45_056  # the KV cache alone is 45,056 B
+    (score_streamed,) = [p for p in report.programs if p.name == "score (streamed)"]
+    assert score_streamed.state_bytes == decode.state_bytes + extra
+    (score,) = [p for p in report.programs if p.name == "score"]
+    assert 0 < score_streamed.argument_bytes < score.argument_bytes  # 4 of its 16 rows
