@@ -1,7 +1,7 @@
 """The rollout engine's multi-turn half: environment steps on host threads between decode
 chunks, observations fed into the waiting slots, and the finished episodes' masks.
 
-:class:`EpisodeSteps` is a mixin of the engine's host loop (``engine._Run``): it reads the
+:class:`EpisodeSteps` is a mixin of the engine's host loop (``engine_run.EngineRun``): it reads the
 run's fields (``env``, ``episodes``, ``waiting``, ``decoding``, ``engine``, ``width``,
 ``prompt_len``, ``sampling``, ``episode_info``). See ``jaxrlhf.generation.environment`` for
 the protocol and ``Engine.generate`` for how a turn ends.

@@ -5,7 +5,7 @@ The static sampler decodes every row for ``max_new_tokens`` steps (a fixed-trip 
 time does not depend on the lengths. The rollout engine (``rollout.engine: continuous``)
 frees a slot as soon as its sample ends and admits the next queued prompt group into free
 slots between chunks: its decode steps depend on how the lengths fall into its slots.
-:func:`engine_chunks` replays the engine's admission policy (``generation.engine``: queued
+:func:`engine_chunks` replays the engine's admission policy (``generation.engine_run``: queued
 groups in order, a group only when ``n`` slots are free, admitted before each chunk; a
 finished sample frees its slot after the chunk it ended in) on given lengths and counts the
 chunks and admission calls; with a total token budget (``rollout.token_budget``) it admits
