@@ -49,6 +49,7 @@ from jaxrlhf.train.preemption import (
     StopSignals,
     TrainingDiverged,
     check_skips,
+    first_line,
     is_out_of_memory,
     out_of_memory_message,
 )
@@ -177,17 +178,27 @@ def _finish(trainer: Trainable, run_dir: str, history: list[dict[str, Any]], mai
             logger.info("wrote %s", path)
 
 
+@dataclasses.dataclass
+class _Doing:
+    """What the training loop is doing, for an out-of-memory message ("in step 4")."""
+
+    what: str = "before the first step"
+
+
 @contextlib.contextmanager
 def _saved_on_stop(trainer: Trainable, ckpt: RunCheckpointer, window: _Window):
     """Saves the last good state when a run stops on bad input (a reward function that
     fails or returns non-finite scores), diverges (too many skipped updates) or runs out of
     device memory, then lets the error go on (out of memory as :class:`OutOfDeviceMemory`,
-    one line). A failing reward and a skipped update leave the state as it was before the
-    failing step; a step that ran out of memory may have consumed it (donated buffers), and
-    then only the last saved checkpoint stands. With several processes an out-of-memory
-    stop saves nothing (a save is collective and the others may not have failed)."""
+    one line saying what the loop was doing: the yielded :class:`_Doing`). A step that
+    raises leaves the trainer as it was before it (its data is drawn again), and a skipped
+    update changes nothing; but a step that ran out of memory may have consumed the state
+    (donated buffers), and then only the last saved checkpoint stands, as it does when the
+    save itself fails. With several processes an out-of-memory stop saves nothing (a save
+    is collective and the others may not have failed)."""
+    doing = _Doing()
     try:
-        yield
+        yield doing
     except (RewardError, TrainingDiverged) as e:
         raise type(e)(f"{e} The last good state: {_save_last_good(trainer, ckpt, window)}.") from e
     except jax.errors.JaxRuntimeError as e:
@@ -197,12 +208,13 @@ def _saved_on_stop(trainer: Trainable, ckpt: RunCheckpointer, window: _Window):
         intact = not any(
             isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(arrays)
         )
+        where = _last_saved(ckpt, "none (no checkpoint had been saved)")
         if intact and jax.process_count() == 1:
-            where = _save_last_good(trainer, ckpt, window)
-        else:
-            where = _last_saved(ckpt, "none (no checkpoint had been saved)")
-        step = trainer.steps_done + 1
-        message = out_of_memory_message(e, f"in step {step}")
+            try:
+                where = _save_last_good(trainer, ckpt, window)
+            except Exception as failed:  # noqa: BLE001  out of memory again, say: tell it
+                where += f" (saving step {trainer.steps_done} failed: {first_line(failed)})"
+        message = out_of_memory_message(e, doing.what)
         raise OutOfDeviceMemory(f"{message} The last good state: {where}.") from e
 
 
@@ -240,8 +252,9 @@ def _train(
             row = log.log(step, metrics)
             progress.write(f"eval step {step} | {format_metrics(row, eval_keys)}")
 
-    with StopSignals() as signals, _saved_on_stop(trainer, ckpt, window):
+    with StopSignals() as signals, _saved_on_stop(trainer, ckpt, window) as doing:
         if first == 0:
+            doing.what = "in the evaluation before the first step"
             evaluate(0)
         window.start = time.perf_counter()  # the first row times steps, not the evaluation
         # Counts of consecutive steps with skipped updates (the longest run since the last
@@ -249,7 +262,9 @@ def _train(
         # host sync.
         skips = worst = window.skip_run
         for i in range(first, t.steps):
+            doing.what = f"in step {i + 1}"
             out = trainer.step()
+            doing.what = f"after step {i + 1}"
             skips = jnp.where(out.skipped > 0, skips + 1, 0)
             worst = jnp.maximum(worst, skips)
             window.running = add_metrics(window.running, out.metrics)
@@ -271,12 +286,16 @@ def _train(
                 window.skip_run = int(skips)
                 worst = skips
             if t.eval_every and done % t.eval_every == 0 and done != t.steps:
+                doing.what = f"in the evaluation after step {done}"
                 evaluate(done)
+                doing.what = f"after step {done}"
             ckpt.after_step(
                 done, t.steps, functools.partial(_snapshot, trainer, window), signals.requested()
             )
         if first < t.steps:
+            doing.what = "in the final evaluation"
             evaluate(t.steps)
+        doing.what = f"saving the final checkpoint {t.steps}"
         ckpt.save(t.steps, *_snapshot(trainer, window), wait=True)
 
 

@@ -64,16 +64,26 @@ OOM_ADVICE = (
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is XLA running out of device (or host) memory."""
-    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+    """Whether ``error`` is XLA running out of device (or host) memory: a
+    ``RESOURCE_EXHAUSTED`` status about memory (not, say, a message over a size limit)."""
+    message = str(error)
+    return (
+        isinstance(error, jax.errors.JaxRuntimeError)
+        and message.startswith("RESOURCE_EXHAUSTED")
+        and "memory" in message.lower()
+    )
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of ``error``'s message (XLA's can run to pages)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def out_of_memory_message(error: BaseException, where: str) -> str:
-    """One line: ``where`` it happened, XLA's own first line (the allocation that failed)
-    and :data:`OOM_ADVICE`."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    first = lines[0] if lines else "RESOURCE_EXHAUSTED"
-    return f"out of device memory {where} ({first.rstrip('.')}). {OOM_ADVICE}."
+    """One line: ``where`` it happened ("in step 4"), XLA's own first line (the allocation
+    that failed) and :data:`OOM_ADVICE`."""
+    return f"out of device memory {where} ({first_line(error).rstrip('.')}). {OOM_ADVICE}."
 
 
 def check_skips(run: int, step: int, limit: int) -> None:

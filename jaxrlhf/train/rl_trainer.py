@@ -588,7 +588,20 @@ class RLTrainer:
         return concatenate(chosen), timings  # learn() scores a sampler-side reference
 
     def step(self) -> StepOutput:
-        """One full RL iteration; its host metrics (rewards, KL, losses, timings)."""
+        """One full RL iteration; its host metrics (rewards, KL, losses, timings).
+
+        An iteration that raises leaves the trainer as it was before it: its prompts are
+        drawn again by the next call (or a checkpoint saved now), and the rollouts launched
+        ahead are cancelled and launched again (the same keys, so the same samples)."""
+        before = self.producer.prompts_state()
+        try:
+            return self._step()
+        except Exception:
+            self.producer.reset(self.steps_done)
+            self.prompts.restore(before)
+            raise
+
+    def _step(self) -> StepOutput:
         key = jax.random.fold_in(self.key, self.steps_done)
         sample_key, update_key = jax.random.split(key)
         iter_start = time.perf_counter()
@@ -816,12 +829,14 @@ class RLTrainer:
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(critic_update)
-            (self.policy_state,), update = programs.update(
+            (policy_state,), update = programs.update(
                 (self.policy_state,), batch, key, (self.policy_frozen,), packed_rows
             )
             metrics = to_host(update.metrics)
             self.timeline.record("update", "learner", self.steps_done, start, self.timeline.now())
-            self.value_state, critic_metrics = future.result()
+            value_state, critic_metrics = future.result()
+        # Both or neither: a critic update that fails leaves the policy's version too.
+        self.policy_state, self.value_state = policy_state, value_state
         return update, {**critic_metrics, **metrics}
 
     def _check_groups(self, rollout: Rollout, score_groups: bool, update_groups: bool) -> None:

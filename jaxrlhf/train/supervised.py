@@ -308,8 +308,18 @@ class SupervisedTrainer:
         return self.put(next(self.batches))
 
     def step(self, batch: dict[str, jax.Array] | None = None) -> StepOutput:
-        """One update (on ``batch`` or the next training batch); device metrics."""
-        batch = self.next_batch() if batch is None else batch
+        """One update (on ``batch`` or the next training batch); device metrics. A step that
+        raises leaves the data position where it was (its batch is drawn again)."""
+        if batch is not None:
+            return self._update(batch)
+        before = self.batches.state()
+        try:
+            return self._update(self.next_batch())
+        except Exception:
+            self.batches.restore(before)
+            raise
+
+    def _update(self, batch: dict[str, jax.Array]) -> StepOutput:
         key = jax.random.fold_in(self.key, self.steps_done)
         self.state, metrics = self.programs.train_step(self.state, batch, key, self.frozen)
         platform.serialize_programs(self.mesh, self.state)

@@ -26,6 +26,7 @@ from jaxrlhf.train.checkpointing import RunCheckpointer
 from jaxrlhf.train.config import CheckpointConfig
 from jaxrlhf.train.metrics import METRICS_FILE
 from jaxrlhf.train.optim import make_schedule
+from jaxrlhf.train.preemption import is_out_of_memory
 from jaxrlhf.train.run_dir import LOCK_FILE, RunDirectoryInUse, RunLock
 from tests.train.helpers import CONFIGS, config
 
@@ -166,24 +167,25 @@ def test_a_non_finite_reward_keeps_the_iterations_before_it(tmp_path):
 
 
 def _out_of_memory_at_step(monkeypatch, step: int, consume_state: bool = False) -> None:
-    """Makes the trainer's ``step``-th step run out of memory for real: a jitted 4 TiB
-    allocation, which XLA refuses with RESOURCE_EXHAUSTED. ``consume_state`` first deletes
-    a leaf of the state, as a step that donated its buffers before failing leaves it."""
+    """Makes the ``step``-th RL iteration run out of memory for real, after its prompts were
+    drawn and sampled, as it starts learning: a jitted 4 PiB allocation (more than any
+    address space, so refused on every host), which XLA refuses with RESOURCE_EXHAUSTED.
+    ``consume_state`` first deletes a weight of the policy, as an update that donated its
+    buffers before failing leaves it."""
     build = loop.build_trainer
 
     def build_failing(*args, **kwargs):
         trainer = build(*args, **kwargs)
-        step_once = trainer.step
+        learn = trainer.learn
 
-        def failing_step():
+        def failing_learn(*args, **kwargs):
             if trainer.steps_done + 1 == step:
                 if consume_state:
-                    leaves = jax.tree.leaves(trainer.snapshot()[0])
-                    max(leaves, key=lambda x: x.size).delete()  # a weight, not the key's copy
-                jax.block_until_ready(jax.jit(lambda: jax.numpy.ones((1 << 40,)))())
-            return step_once()
+                    jax.tree.leaves(trainer.policy_state.params)[0].delete()
+                jax.block_until_ready(jax.jit(lambda: jax.numpy.ones((1 << 50,)))())
+            return learn(*args, **kwargs)
 
-        trainer.step = failing_step
+        trainer.learn = failing_learn
         return trainer
 
     monkeypatch.setattr(loop, "build_trainer", build_failing)
@@ -191,7 +193,10 @@ def _out_of_memory_at_step(monkeypatch, step: int, consume_state: bool = False) 
 
 def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
     """A step that runs out of device memory stops the run with one line (where, XLA's
-    allocation, what to try) after saving the last good state; resuming goes on from it."""
+    allocation, what to try) after saving the state before it; resuming from there repeats
+    the uninterrupted run (its 4th iteration samples the 4th prompts again)."""
+    (tmp_path / "whole").mkdir()
+    whole = loop.run(_grpo(tmp_path / "whole")).history
     _out_of_memory_at_step(monkeypatch, 4)
     cfg = _grpo(tmp_path)
     with pytest.raises(loop.OutOfDeviceMemory) as e:
@@ -204,8 +209,12 @@ def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
     ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
     assert ckpt.steps() == [3]
     monkeypatch.undo()
-    resumed = loop.run(cfg)
-    assert [r["step"] for r in resumed.history] == [1, 2, 3, 4, 5, 6]
+    resumed = loop.run(cfg).history
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward/mean", "kl/seq_mean", "loss/policy"):
+        np.testing.assert_allclose(
+            [r[key] for r in resumed], [r[key] for r in whole], rtol=0, atol=1e-6, err_msg=key
+        )
 
 
 def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
@@ -223,6 +232,49 @@ def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
     assert err[-1].endswith(f"The last good state: checkpoint 2 in {tmp_path}/run/checkpoints.")
     ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
     assert ckpt.steps() == [2]
+
+
+def test_supervised_out_of_memory_draws_its_batch_again(tmp_path, monkeypatch):
+    """SFT: a step that runs out of memory after drawing its batch (as it puts it on the
+    devices) leaves the data position before it, so resuming from the checkpoint saved then
+    repeats the uninterrupted run's losses."""
+    args = (*SFT, "train.steps=4", "train.log_every=1")
+    whole = loop.run(config("tiny_sft", tmp_path / "whole", *args)).history
+    build = loop.build_trainer
+
+    def build_failing(*a, **kw):
+        trainer = build(*a, **kw)
+        put = trainer.put
+
+        def failing_put(batch):
+            if trainer.steps_done == 2:  # drawing step 3's batch
+                jax.block_until_ready(jax.jit(lambda: jax.numpy.ones((1 << 50,)))())
+            return put(batch)
+
+        trainer.put = failing_put
+        return trainer
+
+    monkeypatch.setattr(loop, "build_trainer", build_failing)
+    cfg = config("tiny_sft", tmp_path / "run", *args)
+    with pytest.raises(loop.OutOfDeviceMemory, match="in step 3 .* checkpoint 2 in"):
+        loop.run(cfg)
+    monkeypatch.undo()
+    resumed = loop.run(cfg).history
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [r["loss/sft"] for r in resumed], [r["loss/sft"] for r in whole], rtol=0, atol=1e-6
+    )
+
+
+def test_only_memory_errors_are_out_of_memory():
+    """XLA's RESOURCE_EXHAUSTED also reports limits that are not memory (a message over a
+    size limit): those are not called out of memory."""
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.")
+    grpc = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: message larger than max (5 vs. 4)")
+    other = jax.errors.JaxRuntimeError("INTERNAL: see RESOURCE_EXHAUSTED memory above")
+    assert is_out_of_memory(oom)
+    assert not is_out_of_memory(grpc) and not is_out_of_memory(other)
+    assert not is_out_of_memory(MemoryError("RESOURCE_EXHAUSTED: memory"))
 
 
 def strings(prompts, completions, **columns):
