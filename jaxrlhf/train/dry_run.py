@@ -262,7 +262,8 @@ def format_report(report: DryRunReport) -> str:
     lines += [
         "",
         f"{report.reason()}.",
-        f"state = parameters + optimizer state per device (analytic, no activations). Compiled "
+        "state = parameters + optimizer state per device (analytic, no activations; streamed "
+        "scoring adds the rollout engine's slots and the forwards it holds). Compiled "
         f"by {report.platform} in {report.seconds:.0f} s: an estimate of accelerator memory "
         "(XLA:CPU fuses and schedules differently and may keep bf16 operands in f32; no "
         "allocator fragmentation or runtime reserve).",

@@ -54,7 +54,9 @@ class ProgramMemory:
       argument_bytes, output_bytes, alias_bytes, temp_bytes: ``compiled.memory_analysis()``;
         aliased bytes are outputs written into donated arguments (counted once).
       resident_bytes: trees on the device while it runs that are not its arguments.
-      state_bytes: parameters and optimizer states on the device while it runs (analytic).
+      state_bytes: parameters and optimizer states on the device while it runs (analytic);
+        for streamed scoring also the rollout engine's slot state and decode weights and
+        the forwards scored before it.
       compile_s: seconds to lower and compile.
       cost: XLA's cost analysis per device, loop bodies counted once (the planner's input).
       runs: how many times per iteration that loop body runs when every sample generates

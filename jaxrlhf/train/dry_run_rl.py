@@ -381,17 +381,15 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     """With the engine and ``stream_scoring``, the scoring forwards (and the reward model)
     of each finished micro-batch run between decode chunks, while the engine's slot state,
     its decode weights and the sampler's copy of the policy are alive, and the forwards of
-    the micro-batches scored so far (up to the whole rollout's) are held: compiled at the
-    streamed micro-batch's rows, unpacked (its most memory), with all that counted on the
-    devices it shares with them. Memory only: their time is the scoring phase's already
-    (``runs=0``)."""
+    the micro-batches scored before it (all but the last one's rows at most) are held:
+    compiled at the streamed micro-batch's rows, unpacked (its most memory), with all that
+    counted on the devices it shares with them. Memory only: their time is the scoring
+    phase's already (``runs=0``). (An interleaved critic's values are scored on its group
+    after the rollout: ``models`` has no value params then.)"""
     r = programs.algo.rollout
     if programs.engine is None or not r.stream_scoring or r.environment is not None:
         return
     (policy_params, ref_params, value_params), passed = models
-    if programs.critic_mesh is not None:  # the critic's values are scored after the rollout
-        value_params = None
-        passed = [n for n in passed if not n.startswith("value.")]
     length = pl.cfg.data.max_prompt_length + r.max_new_tokens
     shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
     micro = stream_rows(r.rows, r.num_samples, shards)
@@ -402,23 +400,24 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
             abstract_rows(rows, length, packed=False),
         )
 
-    held_forwards = jax.eval_shape(
-        lambda *a: programs.score_forwards(*a, None),
-        policy_params,
-        ref_params,
-        value_params,
-        placed(r.rows),
-    )
-    pl.add(
-        "score.streamed",
-        held_forwards,
-        jax.tree.map(lambda a: programs.rows(a.ndim) if a.ndim else pl.replicated, held_forwards),
-    )
-    live = list(
-        dict.fromkeys(
-            [*pl.generate_live, "engine.decode_weights", "engine.state", "score.streamed"]
+    live = [*pl.generate_live, "engine.decode_weights", "engine.state"]
+    if r.rows > micro:  # (the micro-batch being scored is the program's own output)
+        held_forwards = jax.eval_shape(
+            lambda *a: programs.score_forwards(*a, None),
+            policy_params,
+            ref_params,
+            value_params,
+            placed(r.rows - micro),
         )
-    )
+        pl.add(
+            "score.streamed",
+            held_forwards,
+            jax.tree.map(
+                lambda a: programs.rows(a.ndim) if a.ndim else pl.replicated, held_forwards
+            ),
+        )
+        live.append("score.streamed")
+    live = list(dict.fromkeys(live))
     batch = placed(micro)
     if rm_params is not None:
         pl.compile(

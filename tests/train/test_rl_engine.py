@@ -144,8 +144,8 @@ def test_dry_run_plans_the_engine(tmp_path):
     table = made.output_bytes - (admit.resident_bytes - decode.resident_bytes)
     assert made.output_bytes > 50_000 and 0 <= table <= 8 * 64
     # Streamed scoring runs between chunks: beside what the chunks hold it counts the slot
-    # state (the chunk's argument, not held there) and the forwards scored so far (up to
-    # the whole rollout's), and its micro-batch is a quarter of the 16 rows (whole groups).
+    # state (the chunk's argument, not held there) and the forwards scored before it (at
+    # most 12 rows: all but its own micro-batch, a quarter of the 16 rows in whole groups).
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     programs = trainer.programs
     state = jax.eval_shape(programs.engine.empty_program(16, 6))
@@ -154,7 +154,7 @@ def test_dry_run_plans_the_engine(tmp_path):
         trainer.policy_params,
         trainer.ref_params,
         trainer.value_params,
-        abstract_rows(16, 22, packed=False),
+        abstract_rows(12, 22, packed=False),
     )
     extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
     assert extra > 45_056  # the KV cache alone is 45,056 B
@@ -162,3 +162,30 @@ def test_dry_run_plans_the_engine(tmp_path):
     assert score_streamed.state_bytes == decode.state_bytes + extra
     (score,) = [p for p in report.programs if p.name == "score"]
     assert 0 < score_streamed.argument_bytes < score.argument_bytes  # 4 of its 16 rows
+
+
+def test_dry_run_counts_streamed_scoring_where_it_runs(tmp_path):
+    """With the sampler on devices 0-3 and the learner on 4-7, streamed scoring runs on the
+    learner's devices: the engine's slots and decode weights and the sampler's policy copy
+    live elsewhere and are not counted there; only the forwards it holds are added to what
+    scoring holds (12 rows of 22 split over 4 devices, float32, one array per forward it
+    returns)."""
+    from jaxrlhf.train import dry_run
+
+    separated = ("placement.strategy=separated", "placement.sampler={devices: [0, 1, 2, 3]}")
+    cfg, src = _config(tmp_path, "grpo", *ENGINE, *separated)
+    report = dry_run.plan(cfg, source=src)
+    by_name = {p.name: p for p in report.programs}
+    score, streamed = by_name["score"], by_name["score (streamed)"]
+    trainer = build_rl_trainer(cfg, source=src)
+    forwards = jax.eval_shape(
+        lambda *a: trainer.programs.score_forwards(*a, None),
+        trainer.policy_params,
+        trainer.ref_params,
+        trainer.value_params,
+        abstract_rows(12, 22, packed=False),
+    )
+    arrays = [x for x in jax.tree.leaves(forwards) if x.ndim]
+    assert arrays and all(x.shape[0] == 12 and x.dtype == np.float32 for x in arrays)
+    per_device = sum(x.size * 4 for x in arrays) // 4
+    assert streamed.state_bytes == score.state_bytes + per_device
