@@ -158,6 +158,14 @@ class EngineRun(EpisodeSteps):
         decode: Callable[[np.ndarray], str] | None,
         on_finished: Callable[[Finished], None] | None,
     ) -> None:
+        """Checks and sets the call's limits (``Engine.generate``'s arguments of the same
+        names): per-sample budgets (``[fresh]`` per prompt or ``[fresh * n]`` per sample, each
+        in ``[1, max_new_tokens]``; carried rows keep theirs), the groups to keep, the token
+        budget, stop strings (which need ``decode``) and the finished-groups callback.
+
+        Raises:
+          ValueError: a budget, ``keep_groups`` or stop-string setting out of range.
+        """
         batch, fresh = self.batch, self.fresh
         rows = fresh * self.n
         given = max_new_tokens is not None
@@ -180,6 +188,10 @@ class EngineRun(EpisodeSteps):
         self.stop_strings, self.decode, self.on_finished = tuple(stop_strings), decode, on_finished
 
     def run(self) -> EngineOutput:
+        """The call itself (``Engine.generate``'s loop): admits prompts into free slots,
+        decodes chunk by chunk and harvests what finished, until ``keep_groups`` groups are
+        done; returns the kept groups' samples (ordered by row) and the run's counts, with
+        the unfinished groups as partials when ``keep_partials`` is set."""
         eng = self.engine
         self.track = self.track or self.keep_partials
         self.prefix: dict[int, int] = {}  # carried row -> tokens fed back before it samples
