@@ -6,9 +6,10 @@ it admits queued prompts into free slots (in order, whole groups of ``n``, unles
 budget is spent) and picks the smallest compiled view that holds the running slots; after
 it, it harvests: reads which slots are done, frees them at once, and hands out every group
 whose samples are all read (``on_finished``: the RL loop scores them while the tail
-decodes). The programs it runs are :class:`~jaxrlhf.generation.engine.Engine`'s; its
-multi-turn methods are the mixin ``engine_episodes.EpisodeSteps``; :class:`EngineOutput`
-is what a run returns.
+decodes). The programs it runs are
+:class:`~jaxrlhf.generation.engine_programs.EnginePrograms`' (which the engine extends); its
+multi-turn methods are the mixin ``engine_episodes.EpisodeSteps``; :class:`EngineOutput` is
+what a run returns.
 
 Stopping: stop token ids end a row on device; stop strings (decoded text) are checked by the
 host between chunks, and a row that completed one is cut right after it (tokens it decoded
@@ -35,20 +36,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxrlhf.generation.engine_episodes import EpisodeSteps
+from jaxrlhf.generation.engine_programs import EnginePrograms
 from jaxrlhf.generation.environment import Episode, Episodes
 from jaxrlhf.generation.params import SamplingParams
 from jaxrlhf.generation.partials import Partials
 from jaxrlhf.generation.sampling import draw_uniforms
 from jaxrlhf.generation.slots import Finished, SlotState
-
-if TYPE_CHECKING:  # engine.py imports this module: the engine is only an annotation here
-    from jaxrlhf.generation.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +85,7 @@ class EngineRun(EpisodeSteps):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EnginePrograms,
         params: Any,
         prompt_tokens: np.ndarray,
         prompt_mask: np.ndarray,

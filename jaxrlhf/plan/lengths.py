@@ -30,7 +30,7 @@ import statistics
 import numpy as np
 from jaxtyping import Int
 
-from jaxrlhf.generation.engine import view_buckets
+from jaxrlhf.generation.engine_programs import view_buckets
 
 __all__ = [
     "BUDGET",
