@@ -5,8 +5,8 @@ prefills prompts into free slots, :func:`decode_chunk` runs decode steps for eve
 :func:`take_view` / :func:`put_view` cut out and write back the running slots with the cache
 cut to the width they can reach, and :func:`finish_slots` / :func:`resume_slots` apply the
 host's decisions (stop strings, multi-turn observations). The scheduling around them is
-``jaxrlhf.generation.engine`` (the programs) and ``jaxrlhf.generation.engine_run`` (the
-host loop).
+``jaxrlhf.generation.engine_programs`` (the programs), ``jaxrlhf.generation.engine_run``
+(the host loop) and ``jaxrlhf.generation.engine`` (the engine's ``generate``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ most memory.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -381,7 +382,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     """With the engine and ``stream_scoring``, the scoring forwards (and the reward model)
     of each finished micro-batch run between decode chunks, while the engine's slot state,
     its decode weights and the sampler's copy of the policy are alive, and the forwards of
-    the micro-batches scored before it (all but the last one's rows at most) are held:
+    the micro-batches scored before it (whole micro-batches, all but the last) are held:
     compiled at the streamed micro-batch's rows, unpacked (its most memory), with all that
     counted on the devices it shares with them. Memory only: their time is the scoring
     phase's already (``runs=0``). (An interleaved critic's values are scored on its group
@@ -401,13 +402,16 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
         )
 
     live = [*pl.generate_live, "engine.decode_weights", "engine.state"]
-    if r.rows > micro:  # (the micro-batch being scored is the program's own output)
+    # Every micro-batch scored before the last is whole (the last is padded to the size),
+    # and the one being scored is the program's own output.
+    held = (math.ceil(r.rows / micro) - 1) * micro
+    if held:
         held_forwards = jax.eval_shape(
             lambda *a: programs.score_forwards(*a, None),
             policy_params,
             ref_params,
             value_params,
-            placed(r.rows - micro),
+            placed(held),
         )
         pl.add(
             "score.streamed",

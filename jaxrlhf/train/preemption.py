@@ -65,12 +65,14 @@ OOM_ADVICE = (
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is XLA running out of device (or host) memory: a
-    ``RESOURCE_EXHAUSTED`` status about memory (not, say, a message over a size limit)."""
-    message = str(error)
+    ``RESOURCE_EXHAUSTED`` status about memory or an allocation ("Out of memory ...",
+    "Failed to allocate request for ..."), not one about a size limit (a message "larger
+    than max")."""
+    message = str(error).lower()
     return (
         isinstance(error, jax.errors.JaxRuntimeError)
-        and message.startswith("RESOURCE_EXHAUSTED")
-        and "memory" in message.lower()
+        and message.startswith("resource_exhausted")
+        and ("memory" in message or "allocat" in message)
     )
 
 

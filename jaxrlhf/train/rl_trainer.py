@@ -590,13 +590,17 @@ class RLTrainer:
     def step(self) -> StepOutput:
         """One full RL iteration; its host metrics (rewards, KL, losses, timings).
 
-        An iteration that raises leaves the trainer as it was before it: its prompts are
-        drawn again by the next call (or a checkpoint saved now), and the rollouts launched
-        ahead are cancelled and launched again (the same keys, so the same samples)."""
+        An iteration that raises leaves the trainer as it was before it: its learner and KL
+        states (if the update had run, the ones it started from: deleted where it donated
+        them, which a checkpoint then refuses), its prompts, drawn again by the next call
+        (or resumed from a checkpoint saved now), and the rollouts launched ahead, cancelled
+        and launched again as after a restore (at ``max_staleness`` 0, the same samples)."""
         before = self.producer.prompts_state()
+        states = self.policy_state, self.value_state, self.kl_state
         try:
             return self._step()
         except Exception:
+            self.policy_state, self.value_state, self.kl_state = states
             self.producer.reset(self.steps_done)
             self.prompts.restore(before)
             raise

@@ -309,7 +309,9 @@ class SupervisedTrainer:
 
     def step(self, batch: dict[str, jax.Array] | None = None) -> StepOutput:
         """One update (on ``batch`` or the next training batch); device metrics. A step that
-        raises leaves the data position where it was (its batch is drawn again)."""
+        raises leaves the data position where it was (its batch is drawn again) and the
+        state it started from (deleted where the update donated it, which a checkpoint then
+        refuses)."""
         if batch is not None:
             return self._update(batch)
         before = self.batches.state()
@@ -321,8 +323,9 @@ class SupervisedTrainer:
 
     def _update(self, batch: dict[str, jax.Array]) -> StepOutput:
         key = jax.random.fold_in(self.key, self.steps_done)
-        self.state, metrics = self.programs.train_step(self.state, batch, key, self.frozen)
-        platform.serialize_programs(self.mesh, self.state)
+        state, metrics = self.programs.train_step(self.state, batch, key, self.frozen)
+        platform.serialize_programs(self.mesh, state)
+        self.state = state  # (only once it ran: an error above leaves the old one)
         self.steps_done += 1
         return StepOutput(metrics=metrics, skipped=metrics["skipped"])
 

@@ -164,6 +164,29 @@ def test_dry_run_plans_the_engine(tmp_path):
     assert 0 < score_streamed.argument_bytes < score.argument_bytes  # 4 of its 16 rows
 
 
+def test_dry_run_holds_whole_streamed_micro_batches(tmp_path):
+    """5 prompts x 4 samples = 20 rows stream in micro-batches of 8 (whole groups, about a
+    quarter, rounded up to 2 groups); the last is padded to 8 rows, so while it is scored
+    the two before it (16 rows) are held, not 20 - 8 = 12."""
+    from jaxrlhf.train import dry_run
+
+    cfg, src = _config(tmp_path, "grpo", *ENGINE, "grpo.rollout.prompts_per_step=5")
+    report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
+    by_name = {p.name: p for p in report.programs}
+    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
+    programs = trainer.programs
+    state = jax.eval_shape(programs.engine.empty_program(16, 6))
+    forwards = jax.eval_shape(
+        lambda *a: programs.score_forwards(*a, None),
+        trainer.policy_params,
+        trainer.ref_params,
+        trainer.value_params,
+        abstract_rows(16, 22, packed=False),
+    )
+    extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
+    assert by_name["score (streamed)"].state_bytes == by_name["decode"].state_bytes + extra
+
+
 def test_dry_run_counts_streamed_scoring_where_it_runs(tmp_path):
     """With the sampler on devices 0-3 and the learner on 4-7, streamed scoring runs on the
     learner's devices: the engine's slots and decode weights and the sampler's policy copy

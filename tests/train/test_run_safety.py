@@ -166,12 +166,15 @@ def test_a_non_finite_reward_keeps_the_iterations_before_it(tmp_path):
     assert [r["step"] for r in resumed.history] == [1, 2, 3, 4, 5, 6]
 
 
-def _out_of_memory_at_step(monkeypatch, step: int, consume_state: bool = False) -> None:
+def _out_of_memory_at_step(
+    monkeypatch, step: int, consume_state: bool = False, after_update: bool = False
+) -> None:
     """Makes the ``step``-th RL iteration run out of memory for real, after its prompts were
     drawn and sampled, as it starts learning: a jitted 4 PiB allocation (more than any
     address space, so refused on every host), which XLA refuses with RESOURCE_EXHAUSTED.
     ``consume_state`` first deletes a weight of the policy, as an update that donated its
-    buffers before failing leaves it."""
+    buffers before failing leaves it; ``after_update`` fails once the update has run (as
+    an error read back with its metrics would)."""
     build = loop.build_trainer
 
     def build_failing(*args, **kwargs):
@@ -179,11 +182,13 @@ def _out_of_memory_at_step(monkeypatch, step: int, consume_state: bool = False) 
         learn = trainer.learn
 
         def failing_learn(*args, **kwargs):
-            if trainer.steps_done + 1 == step:
-                if consume_state:
-                    jax.tree.leaves(trainer.policy_state.params)[0].delete()
-                jax.block_until_ready(jax.jit(lambda: jax.numpy.ones((1 << 50,)))())
-            return learn(*args, **kwargs)
+            if trainer.steps_done + 1 != step:
+                return learn(*args, **kwargs)
+            if after_update:
+                learn(*args, **kwargs)
+            if consume_state:
+                jax.tree.leaves(trainer.policy_state.params)[0].delete()
+            jax.block_until_ready(jax.jit(lambda: jax.numpy.ones((1 << 50,)))())
 
         trainer.learn = failing_learn
         return trainer
@@ -208,6 +213,26 @@ def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
     assert "\n" not in message
     ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
     assert ckpt.steps() == [3]
+    monkeypatch.undo()
+    resumed = loop.run(cfg).history
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward/mean", "kl/seq_mean", "loss/policy"):
+        np.testing.assert_allclose(
+            [r[key] for r in resumed], [r[key] for r in whole], rtol=0, atol=1e-6, err_msg=key
+        )
+
+
+def test_out_of_memory_after_the_update_keeps_the_state_before_it(tmp_path, monkeypatch):
+    """A step that fails after its update ran (an error read back with its metrics) leaves
+    the state the step started from, or, where the update donated it, nothing to save: the
+    run resumed from what was saved repeats the uninterrupted run, not step 4's update
+    twice."""
+    (tmp_path / "whole").mkdir()
+    whole = loop.run(_grpo(tmp_path / "whole")).history
+    _out_of_memory_at_step(monkeypatch, 4, after_update=True)
+    cfg = _grpo(tmp_path, "checkpoint.every=2")
+    with pytest.raises(loop.OutOfDeviceMemory, match="in step 4 "):
+        loop.run(cfg)
     monkeypatch.undo()
     resumed = loop.run(cfg).history
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -270,9 +295,13 @@ def test_only_memory_errors_are_out_of_memory():
     """XLA's RESOURCE_EXHAUSTED also reports limits that are not memory (a message over a
     size limit): those are not called out of memory."""
     oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.")
+    gpu = jax.errors.JaxRuntimeError(  # JAX's GPU allocator (BFC) words it so
+        "RESOURCE_EXHAUSTED: Failed to allocate request for 256.00MiB (268435456B) on device "
+        "ordinal 0"
+    )
     grpc = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: message larger than max (5 vs. 4)")
     other = jax.errors.JaxRuntimeError("INTERNAL: see RESOURCE_EXHAUSTED memory above")
-    assert is_out_of_memory(oom)
+    assert is_out_of_memory(oom) and is_out_of_memory(gpu)
     assert not is_out_of_memory(grpc) and not is_out_of_memory(other)
     assert not is_out_of_memory(MemoryError("RESOURCE_EXHAUSTED: memory"))
 
