@@ -146,15 +146,8 @@ def test_dry_run_plans_the_engine(tmp_path):
     # Streamed scoring runs between chunks: beside what the chunks hold it counts the slot
     # state (the chunk's argument, not held there) and the forwards scored before it (at
     # most 12 rows: all but its own micro-batch, a quarter of the 16 rows in whole groups).
-    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-    programs = trainer.programs
-    state = jax.eval_shape(programs.engine.empty_program(16, 6))
-    forwards = jax.eval_shape(
-        lambda *a: programs.score_forwards(*a, None),
-        trainer.policy_params,
-        trainer.ref_params,
-        trainer.value_params,
-        abstract_rows(12, 22, packed=False),
+    state, forwards = _streamed_trees(
+        build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src), 12
     )
     extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
     assert extra > 45_056  # the KV cache alone is 45,056 B
@@ -162,6 +155,22 @@ def test_dry_run_plans_the_engine(tmp_path):
     assert score_streamed.state_bytes == decode.state_bytes + extra
     (score,) = [p for p in report.programs if p.name == "score"]
     assert 0 < score_streamed.argument_bytes < score.argument_bytes  # 4 of its 16 rows
+
+
+def _streamed_trees(trainer, rows: int) -> tuple:
+    """The abstract trees streamed scoring holds beside its programs in the runs above
+    (16-token prompts, 6 new tokens): the engine's slot state and ``rows`` rows' scoring
+    forwards."""
+    programs = trainer.programs
+    state = jax.eval_shape(programs.engine.empty_program(16, 6))
+    forwards = jax.eval_shape(
+        lambda *a: programs.score_forwards(*a, None),
+        trainer.policy_params,
+        trainer.ref_params,
+        trainer.value_params,
+        abstract_rows(rows, 22, packed=False),
+    )
+    return state, forwards
 
 
 def test_dry_run_holds_whole_streamed_micro_batches(tmp_path):
@@ -173,15 +182,8 @@ def test_dry_run_holds_whole_streamed_micro_batches(tmp_path):
     cfg, src = _config(tmp_path, "grpo", *ENGINE, "grpo.rollout.prompts_per_step=5")
     report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
     by_name = {p.name: p for p in report.programs}
-    trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
-    programs = trainer.programs
-    state = jax.eval_shape(programs.engine.empty_program(16, 6))
-    forwards = jax.eval_shape(
-        lambda *a: programs.score_forwards(*a, None),
-        trainer.policy_params,
-        trainer.ref_params,
-        trainer.value_params,
-        abstract_rows(16, 22, packed=False),
+    state, forwards = _streamed_trees(
+        build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src), 16
     )
     extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
     assert by_name["score (streamed)"].state_bytes == by_name["decode"].state_bytes + extra
@@ -200,14 +202,7 @@ def test_dry_run_counts_streamed_scoring_where_it_runs(tmp_path):
     report = dry_run.plan(cfg, source=src)
     by_name = {p.name: p for p in report.programs}
     score, streamed = by_name["score"], by_name["score (streamed)"]
-    trainer = build_rl_trainer(cfg, source=src)
-    forwards = jax.eval_shape(
-        lambda *a: trainer.programs.score_forwards(*a, None),
-        trainer.policy_params,
-        trainer.ref_params,
-        trainer.value_params,
-        abstract_rows(12, 22, packed=False),
-    )
+    _, forwards = _streamed_trees(build_rl_trainer(cfg, source=src), 12)
     arrays = [x for x in jax.tree.leaves(forwards) if x.ndim]
     assert arrays and all(x.shape[0] == 12 and x.dtype == np.float32 for x in arrays)
     per_device = sum(x.size * 4 for x in arrays) // 4

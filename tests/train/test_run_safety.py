@@ -196,6 +196,16 @@ def _out_of_memory_at_step(
     monkeypatch.setattr(loop, "build_trainer", build_failing)
 
 
+def _assert_same_run(resumed: list[dict], whole: list[dict]) -> None:
+    """The resumed GRPO run's 6 iterations are the uninterrupted run's: the same rewards,
+    KL and loss (atol 1e-6: the same programs on the same inputs and keys)."""
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward/mean", "kl/seq_mean", "loss/policy"):
+        np.testing.assert_allclose(
+            [r[key] for r in resumed], [r[key] for r in whole], rtol=0, atol=1e-6, err_msg=key
+        )
+
+
 def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
     """A step that runs out of device memory stops the run with one line (where, XLA's
     allocation, what to try) after saving the state before it; resuming from there repeats
@@ -214,12 +224,7 @@ def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
     ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
     assert ckpt.steps() == [3]
     monkeypatch.undo()
-    resumed = loop.run(cfg).history
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for key in ("reward/mean", "kl/seq_mean", "loss/policy"):
-        np.testing.assert_allclose(
-            [r[key] for r in resumed], [r[key] for r in whole], rtol=0, atol=1e-6, err_msg=key
-        )
+    _assert_same_run(loop.run(cfg).history, whole)
 
 
 def test_out_of_memory_after_the_update_keeps_the_state_before_it(tmp_path, monkeypatch):
@@ -234,12 +239,7 @@ def test_out_of_memory_after_the_update_keeps_the_state_before_it(tmp_path, monk
     with pytest.raises(loop.OutOfDeviceMemory, match="in step 4 "):
         loop.run(cfg)
     monkeypatch.undo()
-    resumed = loop.run(cfg).history
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for key in ("reward/mean", "kl/seq_mean", "loss/policy"):
-        np.testing.assert_allclose(
-            [r[key] for r in resumed], [r[key] for r in whole], rtol=0, atol=1e-6, err_msg=key
-        )
+    _assert_same_run(loop.run(cfg).history, whole)
 
 
 def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
