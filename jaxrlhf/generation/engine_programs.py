@@ -147,34 +147,30 @@ class EnginePrograms:
             lambda: self._jit_admission(fn, prompt_len, max_new_tokens),
         )
 
+    def _jit_on_state(self, fn: Callable, extra: int, prompt_len: int, max_new_tokens: int) -> Any:
+        """Jitted ``fn(state, *extra host arrays) -> state``: the state donated and kept in
+        the slots' sharding."""
+        sh = self.state_shardings(prompt_len, max_new_tokens)
+        if sh is None:
+            return jax.jit(fn, donate_argnums=0)
+        in_shardings = (sh, *(None,) * extra)
+        return jax.jit(fn, in_shardings=in_shardings, out_shardings=sh, donate_argnums=0)
+
     def finish_program(self, prompt_len: int, max_new_tokens: int) -> Any:
         """Jitted :func:`finish_slots` (a stop string ended them on the host)."""
-
-        def build():
-            sh = self.state_shardings(prompt_len, max_new_tokens)
-            if sh is None:
-                return jax.jit(finish_slots, donate_argnums=0)
-            return jax.jit(
-                finish_slots, in_shardings=(sh, None, None), out_shardings=sh, donate_argnums=0
-            )
-
-        return self._program("finish", (prompt_len, max_new_tokens), build)
+        return self._program(
+            "finish",
+            (prompt_len, max_new_tokens),
+            lambda: self._jit_on_state(finish_slots, 2, prompt_len, max_new_tokens),
+        )
 
     def resume_program(self, prompt_len: int, max_new_tokens: int) -> Any:
         """Jitted :func:`resume_slots` (an observation arrived on the host)."""
-
-        def build():
-            sh = self.state_shardings(prompt_len, max_new_tokens)
-            if sh is None:
-                return jax.jit(resume_slots, donate_argnums=0)
-            return jax.jit(
-                resume_slots,
-                in_shardings=(sh, None, None, None),
-                out_shardings=sh,
-                donate_argnums=0,
-            )
-
-        return self._program("resume", (prompt_len, max_new_tokens), build)
+        return self._program(
+            "resume",
+            (prompt_len, max_new_tokens),
+            lambda: self._jit_on_state(resume_slots, 3, prompt_len, max_new_tokens),
+        )
 
     def decode_weights_program(self) -> Any:
         """Jitted ``decode.decode_weights`` in this engine's layout: ``params -> weights``,

@@ -282,6 +282,15 @@ def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
     )
 
 
+def _learner_rows(programs: RLPrograms, rows: int, length: int, packed: bool) -> Any:
+    """Abstract ``RolloutRows`` of ``rows x length`` placed as the learner's scoring reads
+    them (``programs.rows``)."""
+    return jax.tree.map(
+        lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
+        abstract_rows(rows, length, packed=packed),
+    )
+
+
 def _plan_score(pl, programs, held, models, rm_params):
     """The reward model (if any), then the policy / reference / value forwards (``models``:
     their abstract params as the score program takes them, and the trees they are); returns
@@ -291,10 +300,7 @@ def _plan_score(pl, programs, held, models, rm_params):
     cfg, r = pl.cfg, programs.algo.rollout
     rows, length = r.rows, cfg.data.max_prompt_length + r.max_new_tokens
     packed = programs.planner.score_rows or None  # packed: the largest size, the most memory
-    batch = jax.tree.map(
-        lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
-        abstract_rows(rows, length, packed=packed is not None),
-    )
+    batch = _learner_rows(programs, rows, length, packed=packed is not None)
     if programs.reference_apart is not None:
         batch = batch.replace(ref_logprobs=sds((rows, length), jnp.float32, programs.rows(2)))
         _plan_reference_apart(pl, programs, held, rows, length)
@@ -394,13 +400,6 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     length = pl.cfg.data.max_prompt_length + r.max_new_tokens
     shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
     micro = stream_rows(r.rows, r.num_samples, shards)
-
-    def placed(rows: int) -> Any:
-        return jax.tree.map(
-            lambda x: sds(x.shape, x.dtype, programs.rows(x.ndim)),
-            abstract_rows(rows, length, packed=False),
-        )
-
     live = [*pl.generate_live, "engine.decode_weights", "engine.state"]
     # Every micro-batch scored before the last is whole (the last is padded to the size),
     # and the one being scored is the program's own output.
@@ -411,7 +410,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
             policy_params,
             ref_params,
             value_params,
-            placed(held),
+            _learner_rows(programs, held, length, packed=False),
         )
         pl.add(
             "score.streamed",
@@ -421,8 +420,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
             ),
         )
         live.append("score.streamed")
-    live = list(dict.fromkeys(live))
-    batch = placed(micro)
+    batch = _learner_rows(programs, micro, length, packed=False)
     if rm_params is not None:
         pl.compile(
             "score",

@@ -192,44 +192,43 @@ def _saved_on_stop(trainer: Trainable, ckpt: RunCheckpointer, window: _Window):
     device memory, then lets the error go on (out of memory as :class:`OutOfDeviceMemory`,
     one line saying what the loop was doing: the yielded :class:`_Doing`). A step that
     raises leaves the trainer as it was before it (its data is drawn again), and a skipped
-    update changes nothing; but a step that ran out of memory may have consumed the state
-    (donated buffers), and then only the last saved checkpoint stands, as it does when the
-    save itself fails. With several processes an out-of-memory stop saves nothing (a save
-    is collective and the others may not have failed)."""
+    update changes nothing. What :func:`_save_last_good` cannot save, the line says."""
     doing = _Doing()
     try:
         yield doing
     except (RewardError, TrainingDiverged) as e:
-        raise type(e)(f"{e} The last good state: {_save_last_good(trainer, ckpt, window)}.") from e
+        where = _save_last_good(trainer, ckpt, window, every_process=True)
+        raise type(e)(f"{e} The last good state: {where}.") from e
     except jax.errors.JaxRuntimeError as e:
         if not is_out_of_memory(e):
             raise
-        arrays, _ = trainer.snapshot()
-        intact = not any(
-            isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(arrays)
-        )
-        where = _last_saved(ckpt, "none (no checkpoint had been saved)")
-        if intact and jax.process_count() == 1:
-            try:
-                where = _save_last_good(trainer, ckpt, window)
-            except Exception as failed:  # noqa: BLE001  out of memory again, say: tell it
-                where += f" (saving step {trainer.steps_done} failed: {first_line(failed)})"
+        where = _save_last_good(trainer, ckpt, window, every_process=False)
         message = out_of_memory_message(e, doing.what)
         raise OutOfDeviceMemory(f"{message} The last good state: {where}.") from e
 
 
-def _save_last_good(trainer: Trainable, ckpt: RunCheckpointer, window: _Window) -> str:
-    """Saves the trainer's state unless its step is saved already; says where it is."""
+def _save_last_good(
+    trainer: Trainable, ckpt: RunCheckpointer, window: _Window, *, every_process: bool
+) -> str:
+    """Saves the trainer's state unless its step is saved already, and says where the last
+    good state is. Nothing is saved from a state a failed step consumed (a donated buffer
+    deleted), nor with several processes when the error may not have reached them all
+    (``every_process`` False: a save is collective); a save that fails itself is told."""
     step = trainer.steps_done
-    if step > 0 and step not in ckpt.steps():
-        ckpt.save(step, *_snapshot(trainer, window), wait=True)
-    return _last_saved(ckpt)
-
-
-def _last_saved(ckpt: RunCheckpointer, none: str = "nothing to save (no step had finished)") -> str:
-    if ckpt.last_saved is None:
-        return none
-    return f"checkpoint {ckpt.last_saved} in {ckpt.directory}"
+    arrays, _ = trainer.snapshot()
+    consumed = any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(arrays))
+    alone = not every_process and jax.process_count() > 1
+    failed = ""
+    if step > 0 and step not in ckpt.steps() and not consumed and not alone:
+        try:
+            ckpt.save(step, *_snapshot(trainer, window), wait=True)
+        except Exception as e:  # noqa: BLE001  out of memory again, say: tell it
+            failed = f" (saving step {step} failed: {first_line(e)})"
+    if ckpt.last_saved is not None:
+        return f"checkpoint {ckpt.last_saved} in {ckpt.directory}{failed}"
+    if step == 0:
+        return "nothing to save (no step had finished)"
+    return f"none (no checkpoint had been saved){failed}"
 
 
 def _train(
