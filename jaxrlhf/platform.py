@@ -41,15 +41,20 @@ process-wide settings:
 * ``jax_cpu_enable_async_dispatch = False``: executions run on the thread that calls them, so
   their buffers come from that thread's malloc arena, the process's main heap (an XLA worker
   thread's arena cannot hold more than 64 MiB in one piece and falls back to ``mmap``).
-* glibc's ``mallopt``: no ``mmap`` for large allocations (``M_MMAP_MAX = 0``) and freed memory
-  at the top of the heap kept up to 2 GiB (``M_TRIM_THRESHOLD``), so the next step reuses it.
+* glibc's ``mallopt``: no ``mmap`` for large allocations (``M_MMAP_MAX = 0``) and no trimming
+  of the heap's top (``M_TRIM_THRESHOLD = -1``), so the next step reuses the freed buffer.
+  A bound would not do: the largest one ``mallopt`` takes is an ``int`` (2 GiB), and an
+  update's temporary buffer is larger than that at modest sizes (bench-M's R1-long update:
+  7.1 GiB). glibc then returned it to the system after every execution and the next one
+  faulted all of it in again.
 
 Not every step: now and then a small allocation made between two steps takes a piece of the
 freed buffer, the next step's no longer fits there, and the heap grows by one buffer that is
-faulted in fresh (tests/test_platform.py). The costs: the process keeps up to 2 GiB of
-freed memory mapped, and Python waits for each computation it dispatches (on a CPU the host
-and the computation share the cores anyway). ``JAXRLHF_HOST_MEMORY=system`` keeps glibc's
-and JAX's defaults.
+faulted in fresh (tests/test_platform.py). The costs: freed host memory stays with the
+process (its resident size stays at its peak, as an accelerator's allocator keeps its pool;
+the process's own later allocations reuse it), and Python waits for each computation it
+dispatches (on a CPU the host and the computation share the cores anyway).
+``JAXRLHF_HOST_MEMORY=system`` keeps glibc's and JAX's defaults.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ from jax.sharding import AbstractMesh, Mesh
 # glibc <malloc.h> mallopt parameters.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-KEEP_FREED_BYTES = 2**31 - 1  # the largest value mallopt takes (an int): ~2 GiB
+NEVER_TRIM = -1  # mallopt(3): "Setting M_TRIM_THRESHOLD to -1 disables trimming completely."
 OPT_OUT_ENV = "JAXRLHF_HOST_MEMORY"
 
 
@@ -119,7 +124,7 @@ def reuse_freed_host_memory() -> str | None:
     except (OSError, AttributeError):
         return "no mallopt (not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES)):
+    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, NEVER_TRIM)):
         return "mallopt refused the settings"
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     return None

@@ -12,6 +12,13 @@ settings glibc maps the buffer fresh on every run (checked too: every one of the
 runs faults in more than half of the pages; measured 32,769-33,799 each). Faults are
 counted by the kernel (``getrusage``), not timed, so the check does not depend on machine
 speed.
+
+A second fresh process checks that a freed buffer larger than any bound ``mallopt`` takes (2
+GiB) stays with it: 2.5 GiB are allocated and freed without being touched (no page becomes
+resident), and the heap's end (``sbrk(0)``) must not move back. With a 2 GiB trim threshold
+glibc gives it back on free, and a step with a temporary buffer that large faults all of it
+in again on every execution (benchmarks/RESULTS.md: 1.6 million faults per bench-M R1-long
+step).
 """
 
 import json
@@ -51,12 +58,30 @@ print(json.dumps({
 """
 
 
-def _run(mode: str) -> dict:
+_LARGE_FREE = """
+import ctypes, json, sys
+from jaxrlhf import platform
+reason = platform.reuse_freed_host_memory()
+libc = ctypes.CDLL(None)
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 5 * 2**29
+start = libc.sbrk(0)
+block = libc.malloc(size)
+grown = libc.sbrk(0) - start
+libc.free(block)
+print(json.dumps({"reason": reason, "size": size, "allocated": block is not None,
+                  "grown": grown, "kept": libc.sbrk(0) - start}))
+"""
+
+
+def _run(mode: str, program: str = _PROGRAM) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop(platform.OPT_OUT_ENV, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = subprocess.run(
-        [sys.executable, "-c", _PROGRAM, mode],
+        [sys.executable, "-c", program, mode],
         env=env,
         capture_output=True,
         text=True,
@@ -80,6 +105,18 @@ def test_later_steps_reuse_their_temporary_buffer():
     # The reference: the same program with glibc's and JAX's defaults faults it all in again.
     default = _run("default")
     assert min(default["faults"][-24:]) > pages // 2, default
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+def test_a_freed_buffer_above_two_gib_stays_with_the_process():
+    result = _run("reuse", _LARGE_FREE)
+    if result["reason"] == "no mallopt (not glibc)":
+        pytest.skip("the C library is not glibc")
+    if not result["allocated"]:
+        pytest.skip("the system refused 2.5 GiB of address space (overcommit policy)")
+    assert result["reason"] is None
+    assert result["grown"] >= result["size"], result  # served from the heap, not by mmap
+    assert result["kept"] >= result["size"], result  # and not trimmed when freed
 
 
 def test_not_applied_once_a_backend_exists_or_when_opted_out(monkeypatch):
