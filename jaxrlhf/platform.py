@@ -52,7 +52,8 @@ Not every step: now and then a small allocation made between two steps takes a p
 freed buffer, the next step's no longer fits there, and the heap grows by one buffer that is
 faulted in fresh (tests/test_platform.py). The costs: freed host memory stays with the
 process (its resident size stays at its peak, as an accelerator's allocator keeps its pool;
-the process's own later allocations reuse it), and Python waits for each computation it
+the process's own later allocations reuse it; :func:`release_freed_host_memory` gives it
+back), and Python waits for each computation it
 dispatches (on a CPU the host and the computation share the cores anyway).
 ``JAXRLHF_HOST_MEMORY=system`` keeps glibc's and JAX's defaults.
 """
@@ -128,6 +129,22 @@ def reuse_freed_host_memory() -> str | None:
         return "mallopt refused the settings"
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     return None
+
+
+def release_freed_host_memory() -> bool:
+    """Gives the process's freed heap memory back to the system (glibc's ``malloc_trim(0)``):
+    the top of the heap that :func:`reuse_freed_host_memory` keeps, and free pages inside it.
+
+    For a process that goes on after training (a notebook kernel) and wants its resident size
+    back; the next step would fault its buffers in again. Returns whether any memory was
+    released (False as well where the C library is not glibc).
+    """
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))
 
 
 def configure_cpu_host(cpu_devices: int | None = None) -> list[str]:
