@@ -53,9 +53,9 @@ freed buffer, the next step's no longer fits there, and the heap grows by one bu
 faulted in fresh (tests/test_platform.py). The costs: freed host memory stays with the
 process (its resident size stays at its peak, as an accelerator's allocator keeps its pool;
 the process's own later allocations reuse it; :func:`release_freed_host_memory` gives it
-back), and Python waits for each computation it
-dispatches (on a CPU the host and the computation share the cores anyway).
-``JAXRLHF_HOST_MEMORY=system`` keeps glibc's and JAX's defaults.
+back), and Python waits for each computation it dispatches (on a CPU the host and the
+computation share the cores anyway). ``JAXRLHF_HOST_MEMORY=system`` keeps glibc's and JAX's
+defaults.
 """
 
 from __future__ import annotations
@@ -120,11 +120,9 @@ def reuse_freed_host_memory() -> str | None:
         return "not a CPU run"
     if _backends_started():
         return "a JAX backend already exists"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return "no mallopt (not glibc)"
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, NEVER_TRIM)):
         return "mallopt refused the settings"
     jax.config.update("jax_cpu_enable_async_dispatch", False)
@@ -139,12 +137,19 @@ def release_freed_host_memory() -> bool:
     back; the next step would fault its buffers in again. Returns whether any memory was
     released (False as well where the C library is not glibc).
     """
+    malloc_trim = _glibc_function("malloc_trim", [ctypes.c_size_t])
+    return malloc_trim is not None and bool(malloc_trim(0))
+
+
+def _glibc_function(name: str, argtypes: list[Any]) -> Any:
+    """``name`` from the C library this process runs on, returning an ``int``; None where
+    it has none (not glibc)."""
     try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(malloc_trim(0))
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
 def configure_cpu_host(cpu_devices: int | None = None) -> list[str]:

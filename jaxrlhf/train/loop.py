@@ -215,13 +215,13 @@ def _save_last_good(
     deleted), nor with several processes when the error may not have reached them all
     (``every_process`` False: a save is collective); a save that fails itself is told."""
     step = trainer.steps_done
-    arrays, _ = trainer.snapshot()
+    arrays, meta = _snapshot(trainer, window)
     consumed = any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(arrays))
     alone = not every_process and jax.process_count() > 1
     failed = ""
     if step > 0 and step not in ckpt.steps() and not consumed and not alone:
         try:
-            ckpt.save(step, *_snapshot(trainer, window), wait=True)
+            ckpt.save(step, arrays, meta, wait=True)
         except Exception as e:  # noqa: BLE001  out of memory again, say: tell it
             failed = f" (saving step {step} failed: {first_line(e)})"
     if ckpt.last_saved is not None:
