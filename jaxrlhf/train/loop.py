@@ -46,6 +46,7 @@ from jaxrlhf.train.metrics import (
 )
 from jaxrlhf.train.preemption import (
     OutOfDeviceMemory,
+    Preempted,
     StopSignals,
     TrainingDiverged,
     check_skips,
@@ -320,6 +321,8 @@ def run(
       Preempted: a signal stopped the run (after saving a checkpoint).
       TrainingDiverged: ``train.max_consecutive_skips`` non-finite updates in a row.
       OutOfDeviceMemory: a step ran out of device memory (after saving the last good state).
+      These last three come without tracebacks into the run: whoever keeps one (a notebook
+      keeps the last error) does not keep the trainer's device memory.
     """
     layout = validate(
         cfg,
@@ -331,7 +334,29 @@ def run(
     check_output_dir(run_dir)
     with RunLock(run_dir):
         files = config_files(source, override_paths)
-        return _run(cfg, layout, run_dir, mesh=mesh, source=source, files=files)
+        try:
+            return _run(cfg, layout, run_dir, mesh=mesh, source=source, files=files)
+        except (OutOfDeviceMemory, TrainingDiverged, Preempted) as e:
+            stop = e
+    raise _without_frames(stop)
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """``error`` with its traceback, and those of the errors chained to it, dropped; the
+    messages and the chain stay. Raised from :func:`run`, a stop that saved the run's state
+    (out of memory, diverged, preempted) then holds none of the run's frames: a notebook keeps
+    the last error it showed (IPython's ``sys.last_value``), and through those frames it would
+    keep the trainer and every device buffer, so a retry with smaller sizes would run out of
+    memory again. Other errors keep their tracebacks: they point at a bug."""
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+    return error
 
 
 def _run(

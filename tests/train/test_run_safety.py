@@ -4,11 +4,13 @@ reward, reward-model mistakes named by their field, the learning rate logged as 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import weakref
 
 import jax
 import numpy as np
@@ -26,7 +28,7 @@ from jaxrlhf.train.checkpointing import RunCheckpointer
 from jaxrlhf.train.config import CheckpointConfig
 from jaxrlhf.train.metrics import METRICS_FILE
 from jaxrlhf.train.optim import make_schedule
-from jaxrlhf.train.preemption import is_out_of_memory
+from jaxrlhf.train.preemption import Preempted, StopSignals, TrainingDiverged, is_out_of_memory
 from jaxrlhf.train.run_dir import LOCK_FILE, RunDirectoryInUse, RunLock
 from tests.train.helpers import CONFIGS, config
 
@@ -289,6 +291,46 @@ def test_supervised_out_of_memory_draws_its_batch_again(tmp_path, monkeypatch):
     np.testing.assert_allclose(
         [r["loss/sft"] for r in resumed], [r["loss/sft"] for r in whole], rtol=0, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("stop", ["out of memory", "preempted", "diverged"])
+def test_a_stopped_run_lets_its_trainer_go(tmp_path, monkeypatch, stop):
+    """A notebook keeps the last error it showed (IPython's ``sys.last_value``). The error
+    ``run`` raises when it stops after saving (out of memory, a stop signal) must not hold
+    the run's frames, and through them its trainer and every device buffer, or the retry
+    with smaller sizes runs out of memory again. The error keeps its message and cause.
+    (Divergence is forced: the check is told a limit of 0 skips was passed.)"""
+    if stop == "out of memory":
+        _out_of_memory_at_step(monkeypatch, 2)
+        expected = loop.OutOfDeviceMemory
+    elif stop == "preempted":
+        monkeypatch.setattr(StopSignals, "requested", lambda self: signal.SIGTERM)
+        expected = Preempted
+    else:
+        check = loop.check_skips
+        monkeypatch.setattr(loop, "check_skips", lambda run, step, limit: check(1, step, 0))
+        expected = TrainingDiverged
+    build = loop.build_trainer
+    built = []
+
+    def recording(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        built.append(weakref.ref(trainer))
+        return trainer
+
+    monkeypatch.setattr(loop, "build_trainer", recording)
+    with pytest.raises(expected) as e:
+        loop.run(_grpo(tmp_path))
+    error = e.value
+    gc.collect()
+    assert len(built) == 1 and built[0]() is None
+    if stop == "out of memory":
+        assert str(error).startswith("out of device memory in step 2 (RESOURCE_EXHAUSTED")
+        assert isinstance(error.__cause__, jax.errors.JaxRuntimeError)
+    elif stop == "preempted":
+        assert (error.signum, error.step) == (signal.SIGTERM, 1)
+    else:
+        assert str(error).startswith("step 1: 1 consecutive updates had a non-finite loss")
 
 
 def test_only_memory_errors_are_out_of_memory():
