@@ -340,38 +340,53 @@ def _project(
     return out
 
 
-def _rope_tables(
-    cfg: ModelConfig, positions: Int[Array, " R"], inv_freq: np.ndarray
-) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [R, 1, 1, H/2] of each row's position, computed once per decode step.
-
-    ``models.attention.apply_rope`` computes them inside every call; in the decode loop XLA
-    then fuses the cos/sin into each layer's and head's consumer and evaluates them again
-    for every element. The barrier makes them one array.
-    """
-    angles = positions.astype(jnp.float32)[:, None, None] * jnp.asarray(inv_freq)
-    dtype = cfg.compute_dtype
-    tables = (
-        jnp.cos(angles)[:, :, None, :].astype(dtype),
-        jnp.sin(angles)[:, :, None, :].astype(dtype),
-    )
-    return jax.lax.optimization_barrier(tables)
+RopeTables = list[tuple[jax.Array, jax.Array] | None]
 
 
-def _layer_ropes(
-    cfg: ModelConfig, positions: Int[Array, " R"]
-) -> list[tuple[jax.Array, jax.Array] | None]:
-    """Each layer's :func:`_rope_tables` (computed once per distinct frequency table: Gemma
-    3's sliding and full layers have two), None per layer without RoPE."""
+def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
+    """Each layer's cos and sin ``[W, R/2]`` (float32) of positions ``0 .. W - 1``, computed
+    as ``models.attention.apply_rope`` computes them; one pair per distinct frequency table
+    (Gemma 3's sliding and full layers have two), None per layer without RoPE.
+
+    Made before the token loop; each step gathers its rows' positions from them
+    (:func:`decode_step`). Computed inside the step instead, XLA:CPU fuses the cos and sin
+    into every layer's and head's consumer and evaluates them again for every element
+    (an ``optimization_barrier`` does not stop it: XLA:CPU removes barriers before fusion),
+    about 4% of a bench-M decode step. ``width`` must exceed every position the loop
+    decodes (the cache's prompt plus generated slots)."""
     if cfg.position_embedding != "rope":
         return [None] * cfg.num_layers
+    positions = jnp.arange(width, dtype=jnp.float32)[:, None]
     tables: dict[bytes, tuple[jax.Array, jax.Array]] = {}
-    out = []
+    out: RopeTables = []
     for i in range(cfg.num_layers):
         inv_freq = rope_inverse_frequencies(cfg, i)
         if inv_freq.tobytes() not in tables:
-            tables[inv_freq.tobytes()] = _rope_tables(cfg, positions, inv_freq)
+            angles = positions * jnp.asarray(inv_freq)
+            tables[inv_freq.tobytes()] = (jnp.cos(angles), jnp.sin(angles))
         out.append(tables[inv_freq.tobytes()])
+    return out
+
+
+def _layer_ropes(
+    cfg: ModelConfig, positions: Int[Array, " R"], tables: RopeTables
+) -> list[tuple[jax.Array, jax.Array] | None]:
+    """Each layer's cos and sin ``[R, 1, 1, R/2]`` of the rows' positions, gathered from
+    :func:`rope_tables` once per distinct table."""
+    gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
+    out = []
+    for table in tables:
+        if table is None:
+            out.append(None)
+            continue
+        if id(table) not in gathered:
+            gathered[id(table)] = tuple(  # type: ignore[assignment]
+                jnp.take(t, positions, axis=0, mode="clip")[:, None, None, :].astype(
+                    cfg.compute_dtype
+                )
+                for t in table
+            )
+        out.append(gathered[id(table)])
     return out
 
 
@@ -539,6 +554,7 @@ def decode_step(
     constrain: Constrain,
     params: Params,
     weights: tuple[list[Params], jax.Array | None],
+    ropes: RopeTables,
     tokens: Int[Array, " R"],
     positions: Int[Array, " R"],
     cache: DecodeCache,
@@ -551,6 +567,7 @@ def decode_step(
     Args:
       cfg, constrain: model config and activation constraint.
       params: LM params; ``weights`` is ``decode_weights(params, L)``.
+      ropes: :func:`rope_tables` over at least every position decoded, made before the loop.
       tokens: [R] the new token of each sample row (R = B * n, prompt-major).
       positions: [R] its position id.
       cache: the cache; generated slots ``> step`` may hold anything (they are masked).
@@ -571,7 +588,7 @@ def decode_step(
     x = constrain(x, residual)
 
     masks, slot = _step_masks(cfg, cache, step, positions, prefix_mask, prefix_positions)
-    ropes = _layer_ropes(cfg, positions)
+    ropes = _layer_ropes(cfg, positions, ropes)
     norm = Norm(cfg)
     layers, head = weights
     new_k, new_v = [], []

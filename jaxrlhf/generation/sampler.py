@@ -245,9 +245,15 @@ def sample_step(
 
 
 def forward_step(
-    cfg: ModelConfig, constrain: Constrain, params: Any, weights: Any, state: SamplerState
+    cfg: ModelConfig,
+    constrain: Constrain,
+    params: Any,
+    weights: Any,
+    ropes: decode_lib.RopeTables,
+    state: SamplerState,
 ) -> SamplerState:
-    """Feeds the token sampled last (column ``step - 1``) and stores the next logits."""
+    """Feeds the token sampled last (column ``step - 1``) and stores the next logits
+    (``weights`` and ``ropes``: ``decode.decode_weights`` and ``decode.rope_tables``)."""
     slot = state.step - 1
     tokens = jax.lax.dynamic_index_in_dim(state.tokens, slot, axis=1, keepdims=False)
     logits, cache = decode_lib.decode_step(
@@ -255,6 +261,7 @@ def forward_step(
         constrain,
         params,
         weights,
+        ropes,
         tokens,
         state.positions,
         state.cache,
@@ -305,9 +312,11 @@ def decode_loop(
         raise ValueError(f"loop={loop!r} is not one of {list(LOOPS)}")
     weights = decode_lib.decode_weights(params, cfg.num_layers, fuse_shards, matmul_block)
     prompt_len = state.prefix_mask.shape[1]
+    ropes = decode_lib.rope_tables(cfg, prompt_len + statics.max_new_tokens)
 
     def body(s: SamplerState) -> SamplerState:
-        return forward_step(cfg, constrain, params, weights, sample_step(s, arrays, statics))
+        sampled = sample_step(s, arrays, statics)
+        return forward_step(cfg, constrain, params, weights, ropes, sampled)
 
     # T tokens need T - 1 forwards: the last sampled token is never fed back. On entry to
     # `body`, state.step is the generated slot its forward writes.

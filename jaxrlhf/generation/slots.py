@@ -328,6 +328,7 @@ def forward_slots(
     constrain: Constrain,
     params: Any,
     weights: Any,
+    ropes: decode_lib.RopeTables,
     state: SlotState,
     prev_done: Bool[Array, " S"],
 ) -> SlotState:
@@ -343,6 +344,7 @@ def forward_slots(
         constrain,
         params,
         weights,
+        ropes,
         tokens,
         state.positions,
         state.cache,
@@ -371,11 +373,13 @@ def decode_chunk(
 
     ``weights`` is ``decode.decode_weights(params, ...)``, made once per engine call
     (``Engine.decode_weights_program``) and passed to every chunk: built inside the chunk, its
-    per-layer slices and fused kernels would copy all the weights on every chunk."""
+    per-layer slices and fused kernels would copy all the weights on every chunk. The RoPE
+    tables cover a slot's whole region (prompt plus generated slots), also in a view."""
+    ropes = decode_lib.rope_tables(cfg, state.prefix_mask.shape[1] + state.tokens.shape[1])
 
     def body(s: SlotState, _) -> tuple[SlotState, None]:
         sampled = sample_slots(s, arrays, statics)
-        return forward_slots(cfg, constrain, params, weights, sampled, s.done), None
+        return forward_slots(cfg, constrain, params, weights, ropes, sampled, s.done), None
 
     state, _ = jax.lax.scan(body, state, length=chunk)
     return state

@@ -52,10 +52,11 @@ def test_decode_logits_equal_full_forward(family, n, shards, block):
     def run(params, prompt, mask, fed):
         state = init_state(cfg, no_constraint, statics, params, prompt, mask, jax.random.key(0))
         weights = decode_lib.decode_weights(params, cfg.num_layers, shards, block)
+        ropes = decode_lib.rope_tables(cfg, prompt.shape[1] + new)
 
         def feed(state, t):
             state = state.replace(tokens=state.tokens.at[:, t].set(fed[:, t]), step=t + 1)
-            state = forward_step(cfg, no_constraint, params, weights, state)
+            state = forward_step(cfg, no_constraint, params, weights, ropes, state)
             return state, state.logits
 
         _, rest = jax.lax.scan(feed, state, jnp.arange(new - 1))
