@@ -162,6 +162,7 @@ def decode_weights(
         head = blocks if blocks.ndim == 3 else None
     # The barrier makes the per-layer slices and fused kernels arrays of their own, built
     # once before the token loop, whatever XLA would otherwise fold into the loop's operands.
+    # (XLA:CPU removes barriers before fusion; there the token loop's boundary does it.)
     return jax.lax.optimization_barrier((layers, head))
 
 
@@ -371,8 +372,10 @@ def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
 def _layer_ropes(
     cfg: ModelConfig, positions: Int[Array, " R"], tables: RopeTables
 ) -> list[tuple[jax.Array, jax.Array] | None]:
-    """Each layer's cos and sin ``[R, 1, 1, R/2]`` of the rows' positions, gathered from
-    :func:`rope_tables` once per distinct table."""
+    """Each layer's cos and sin ``[rows, 1, 1, R/2]`` of the rows' positions, gathered from
+    :func:`rope_tables` once per distinct table. ``clip``: a finished engine slot whose
+    prompt and budget filled its region sits one past the last position; its step's logits
+    and cache write are discarded, and clipping keeps them finite."""
     gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
     out = []
     for table in tables:
