@@ -37,6 +37,7 @@ from jaxrlhf.models import axes
 from jaxrlhf.models.attention import (
     layer_masks,
     positions_from_mask,
+    rope_cos_sin,
     rope_inverse_frequencies,
     rotate,
     softcap,
@@ -345,9 +346,10 @@ RopeTables = list[tuple[jax.Array, jax.Array] | None]
 
 
 def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
-    """Each layer's cos and sin ``[W, R/2]`` (float32) of positions ``0 .. W - 1``, computed
-    as ``models.attention.apply_rope`` computes them; one pair per distinct frequency table
-    (Gemma 3's sliding and full layers have two), None per layer without RoPE.
+    """Each layer's cos and sin ``[W, R/2]`` (float32) of positions ``0 .. W - 1``
+    (``models.attention.rope_cos_sin``, as the model's ``apply_rope``); one pair per
+    distinct frequency table (Gemma 3's sliding and full layers have two), None per layer
+    without RoPE.
 
     Made before the token loop; each step gathers its rows' positions from them
     (:func:`decode_step`). Computed inside the step instead, XLA:CPU fuses the cos and sin
@@ -357,14 +359,13 @@ def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
     decodes (the cache's prompt plus generated slots)."""
     if cfg.position_embedding != "rope":
         return [None] * cfg.num_layers
-    positions = jnp.arange(width, dtype=jnp.float32)[:, None]
+    positions = jnp.arange(width)
     tables: dict[bytes, tuple[jax.Array, jax.Array]] = {}
     out: RopeTables = []
     for i in range(cfg.num_layers):
         inv_freq = rope_inverse_frequencies(cfg, i)
         if inv_freq.tobytes() not in tables:
-            angles = positions * jnp.asarray(inv_freq)
-            tables[inv_freq.tobytes()] = (jnp.cos(angles), jnp.sin(angles))
+            tables[inv_freq.tobytes()] = rope_cos_sin(positions, inv_freq)
         out.append(tables[inv_freq.tobytes()])
     return out
 
@@ -376,20 +377,17 @@ def _layer_ropes(
     :func:`rope_tables` once per distinct table. ``clip``: a finished engine slot whose
     prompt and budget filled its region sits one past the last position; its step's logits
     and cache write are discarded, and clipping keeps them finite."""
+
+    def rows(table: jax.Array) -> jax.Array:
+        picked = jnp.take(table, positions, axis=0, mode="clip")
+        return picked[:, None, None, :].astype(cfg.compute_dtype)
+
     gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
     out = []
     for table in tables:
-        if table is None:
-            out.append(None)
-            continue
-        if id(table) not in gathered:
-            gathered[id(table)] = tuple(  # type: ignore[assignment]
-                jnp.take(t, positions, axis=0, mode="clip")[:, None, None, :].astype(
-                    cfg.compute_dtype
-                )
-                for t in table
-            )
-        out.append(gathered[id(table)])
+        if table is not None and id(table) not in gathered:
+            gathered[id(table)] = (rows(table[0]), rows(table[1]))
+        out.append(None if table is None else gathered[id(table)])
     return out
 
 

@@ -134,10 +134,17 @@ def apply_rope(
 
     Angles are computed in float32; the result is cast back to ``x.dtype``.
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, R/2]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
-    return rotate(x, cos, sin)
+    cos, sin = rope_cos_sin(positions, inv_freq)  # [B, T, R/2]
+    return rotate(x, cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype))
+
+
+def rope_cos_sin(
+    positions: Int[Array, "..."], inv_freq: np.ndarray | jax.Array
+) -> tuple[Float[Array, "... R2"], Float[Array, "... R2"]]:
+    """float32 cos and sin ``[..., R/2]`` of the angles ``position * θ_i``: the tables
+    :func:`rotate` takes (``generation.decode.rope_tables`` makes them once per decode call)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

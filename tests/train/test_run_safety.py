@@ -296,7 +296,8 @@ def test_supervised_out_of_memory_draws_its_batch_again(tmp_path, monkeypatch):
 @pytest.mark.parametrize("stop", ["out of memory", "preempted", "diverged"])
 def test_a_stopped_run_lets_its_trainer_go(tmp_path, monkeypatch, stop):
     """A notebook keeps the last error it showed (IPython's ``sys.last_value``). The error
-    ``run`` raises when it stops after saving (out of memory, a stop signal) must not hold
+    ``run`` raises when it stops after saving (out of memory, a stop signal, divergence)
+    must not hold
     the run's frames, and through them its trainer and every device buffer, or the retry
     with smaller sizes runs out of memory again. The error keeps its message and cause.
     (Divergence is forced: the check is told a limit of 0 skips was passed.)"""
