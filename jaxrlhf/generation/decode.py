@@ -35,10 +35,10 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrlhf.generation.cache import DecodeCache
 from jaxrlhf.models import axes
 from jaxrlhf.models.attention import (
+    distinct_rope_tables,
     layer_masks,
     positions_from_mask,
     rope_cos_sin,
-    rope_inverse_frequencies,
     rotate,
     softcap,
 )
@@ -359,15 +359,9 @@ def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
     decodes (the cache's prompt plus generated slots)."""
     if cfg.position_embedding != "rope":
         return [None] * cfg.num_layers
-    positions = jnp.arange(width)
-    tables: dict[bytes, tuple[jax.Array, jax.Array]] = {}
-    out: RopeTables = []
-    for i in range(cfg.num_layers):
-        inv_freq = rope_inverse_frequencies(cfg, i)
-        if inv_freq.tobytes() not in tables:
-            tables[inv_freq.tobytes()] = rope_cos_sin(positions, inv_freq)
-        out.append(tables[inv_freq.tobytes()])
-    return out
+    tables, index = distinct_rope_tables(cfg)
+    pairs = [rope_cos_sin(jnp.arange(width), table) for table in tables]
+    return [pairs[i] for i in index]
 
 
 def _layer_ropes(

@@ -125,16 +125,57 @@ def _inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) ->
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def distinct_rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The model's distinct inverse-frequency tables ``[K, R/2]`` (K = 1, or 2 for Gemma 3's
+    sliding and full layers) and, per layer, the row of the table it uses."""
+    tables: list[np.ndarray] = []
+    index = []
+    for row in layer_rope_table(cfg):
+        found = [k for k, t in enumerate(tables) if np.array_equal(t, row)]
+        if not found:
+            tables.append(row)
+        index.append(found[0] if found else len(tables) - 1)
+    return np.stack(tables), tuple(index)
+
+
+@flax.struct.dataclass
+class RopeAngles:
+    """float32 cos and sin ``[K, B, T, R/2]`` of every token's RoPE angles under each of the
+    model's K distinct frequency tables (:func:`distinct_rope_tables`), made once per forward
+    (:func:`rope_angles`) and shared by every layer.
+
+    Computed inside each layer instead, XLA:CPU fuses the cos and sin into every query and
+    key consumer and evaluates them again per head and element."""
+
+    cos: Float[Array, "K B T R2"]
+    sin: Float[Array, "K B T R2"]
+
+    def layer(
+        self, cfg: ModelConfig, layer: Int[Array, ""] | int
+    ) -> tuple[Float[Array, "B T R2"], Float[Array, "B T R2"]]:
+        """Layer ``layer``'s cos and sin (its table's row; ``layer`` may be traced)."""
+        if self.cos.shape[0] == 1:
+            return self.cos[0], self.sin[0]
+        which = jnp.asarray(distinct_rope_tables(cfg)[1])[layer]
+        return self.cos[which], self.sin[which]
+
+
+def rope_angles(cfg: ModelConfig, positions: Int[Array, "B T"]) -> RopeAngles | None:
+    """Every token's RoPE cos and sin under each distinct table (None without RoPE)."""
+    if cfg.position_embedding != "rope":
+        return None
+    tables, _ = distinct_rope_tables(cfg)
+    pairs = [rope_cos_sin(positions, t) for t in tables]
+    return RopeAngles(cos=jnp.stack([c for c, _ in pairs]), sin=jnp.stack([s for _, s in pairs]))
+
+
 def apply_rope(
-    x: Float[Array, "B T N H"], positions: Int[Array, "B T"], inv_freq: np.ndarray | jax.Array
+    x: Float[Array, "B T N H"], cos: Float[Array, "B T R2"], sin: Float[Array, "B T R2"]
 ) -> Float[Array, "B T N H"]:
     """Rotary embedding in the "rotate half" layout of transformers (first/second halves of
-    the first R = 2 * len(inv_freq) dims; any dims after them pass unrotated, as with
-    ``partial_rotary_factor`` < 1).
-
-    Angles are computed in float32; the result is cast back to ``x.dtype``.
-    """
-    cos, sin = rope_cos_sin(positions, inv_freq)  # [B, T, R/2]
+    the first R = 2 * (R/2) dims; any dims after them pass unrotated, as with
+    ``partial_rotary_factor`` < 1), by the float32 angle tables of :func:`rope_cos_sin`,
+    cast to ``x.dtype`` first."""
     return rotate(x, cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype))
 
 
@@ -142,7 +183,8 @@ def rope_cos_sin(
     positions: Int[Array, "..."], inv_freq: np.ndarray | jax.Array
 ) -> tuple[Float[Array, "... R2"], Float[Array, "... R2"]]:
     """float32 cos and sin ``[..., R/2]`` of the angles ``position * θ_i``: the tables
-    :func:`rotate` takes (``generation.decode.rope_tables`` makes them once per decode call)."""
+    :func:`rotate` takes (the model makes them once per forward, :func:`rope_angles`;
+    ``generation.decode.rope_tables`` once per decode call)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(angles), jnp.sin(angles)
 

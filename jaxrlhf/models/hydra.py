@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models import axes
-from jaxrlhf.models.attention import causal_mask, softcap
+from jaxrlhf.models.attention import causal_mask, rope_angles, softcap
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.transformer import (
     Constrain,
@@ -64,7 +64,8 @@ class Trunk(nn.Module):
         pos_embed = self.pos_embed if cfg.position_embedding == "learned" else None
         x = embed_inputs(cfg, self.constrain, self.embed, pos_embed, tokens, positions)
         if self.count:
-            x, _ = self.layers(x, positions, mask, None, None, jnp.arange(self.count))
+            rope = rope_angles(cfg, positions)
+            x, _ = self.layers(x, rope, mask, None, None, jnp.arange(self.count))
         return x
 
     def attend(self, hidden):
@@ -99,7 +100,7 @@ class Branch(nn.Module):
     def __call__(self, x, positions, mask, head_from, select):
         cfg = self.cfg
         ids = jnp.arange(self.first, cfg.num_layers)
-        x, _ = self.layers(x, positions, mask, None, None, ids)
+        x, _ = self.layers(x, rope_angles(cfg, positions), mask, None, None, ids)
         hidden = self.final_norm(x)
         hidden = hidden[:, head_from:] if select is None else select(hidden)
         if self.head == "lm" and cfg.tie_embeddings:

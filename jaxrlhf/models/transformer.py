@@ -49,9 +49,10 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrlhf.models import axes, moe
 from jaxrlhf.models.attention import (
     LayerMasks,
+    RopeAngles,
     apply_rope,
     dot_product_attention,
-    layer_rope_table,
+    rope_angles,
     softcap,
 )
 from jaxrlhf.models.config import ModelConfig
@@ -188,13 +189,13 @@ class Attention(nn.Module):
     def __call__(
         self,
         x: Float[Array, "B T D"],
-        positions: Int[Array, "B T"],
+        rope: tuple[Float[Array, "B T R2"], Float[Array, "B T R2"]] | None,
         mask: Bool[Array, "B T S"],
         cache: tuple[jax.Array, jax.Array] | None,
         cache_index: Int[Array, ""] | None,
-        inv_freq: jax.Array | None = None,
     ) -> tuple[Float[Array, "B T D"], tuple[jax.Array, jax.Array] | None]:
-        """``inv_freq``: [R/2] RoPE inverse frequencies of this layer (None: no RoPE)."""
+        """``rope``: this layer's float32 RoPE cos and sin of every token (None: no RoPE;
+        :meth:`~jaxrlhf.models.attention.RopeAngles.layer`)."""
         cfg = self.cfg
         d, n, k_heads, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         init = dense_init(cfg)
@@ -228,9 +229,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # per head, over head_dim, before RoPE
             q = Norm(cfg, name="q_norm")(q)
             k = Norm(cfg, name="k_norm")(k)
-        if inv_freq is not None:
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
 
         new_cache = None
         if cache is not None:
@@ -367,37 +368,27 @@ def select_layer_mask(cfg: ModelConfig, mask: Any, layer: Int[Array, ""]) -> Any
     return jax.tree.map(lambda full, win: jnp.where(is_sliding, win, full), mask.full, mask.sliding)
 
 
-def layer_inv_freq(cfg: ModelConfig, layer: Int[Array, ""]) -> jax.Array | None:
-    """This layer's RoPE inverse frequencies [R/2] (None without RoPE)."""
-    if cfg.position_embedding != "rope":
-        return None
-    table = layer_rope_table(cfg)  # [L, R/2], a constant
-    if (table == table[0]).all():
-        return jnp.asarray(table[0])
-    return jnp.asarray(table)[layer]
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); with ``post_norms`` (Gemma 2/3)
     x + norm(attn(norm(x))) and x + norm(mlp(norm(.))). Scanned over layers; ``layer`` is
-    this layer's index (per-layer windows and RoPE bases)."""
+    this layer's index (per-layer windows and RoPE bases); ``rope``: every token's
+    :class:`~jaxrlhf.models.attention.RopeAngles` (None without RoPE)."""
 
     cfg: ModelConfig
     constrain: Constrain = no_constraint
     lora: LoraSpec | None = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, cache_index, layer):
+    def __call__(self, x, rope: RopeAngles | None, mask, cache, cache_index, layer):
         cfg = self.cfg
         residual_names = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
         mask = select_layer_mask(cfg, mask, layer)
         attn_out, new_cache = Attention(cfg, self.constrain, self.lora, name="attn")(
             Norm(cfg, name="attn_norm")(x),
-            positions,
+            None if rope is None else rope.layer(cfg, layer),
             mask,
             cache,
             cache_index,
-            layer_inv_freq(cfg, layer),
         )
         if cfg.post_norms:
             attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
@@ -459,8 +450,8 @@ def layer_stack(
     cfg: ModelConfig, constrain: Constrain, lora: LoraSpec | None, count: int
 ) -> nn.Module:
     """``count`` decoder layers under ``nn.scan`` (params stacked on a leading ``layers``
-    axis), rematerialised per ``cfg.remat``; called as ``(x, positions, mask, cache,
-    cache_index, layer_ids [count])``."""
+    axis), rematerialised per ``cfg.remat``; called as ``(x, rope_angles(cfg, positions),
+    mask, cache, cache_index, layer_ids [count])``."""
     layer = DecoderLayer
     if cfg.remat != "none":
         layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -508,7 +499,8 @@ class Decoder(nn.Module):
         x = embed_inputs(cfg, self.constrain, self.embed, pos_embed, tokens, positions)
         layer_cache = None if cache is None else (cache.k, cache.v)
         layer_ids = jnp.arange(cfg.num_layers)
-        x, new_layer_cache = self.layers(x, positions, mask, layer_cache, cache_index, layer_ids)
+        rope = rope_angles(cfg, positions)
+        x, new_layer_cache = self.layers(x, rope, mask, layer_cache, cache_index, layer_ids)
         new_cache = None if cache is None else KVCache(*new_layer_cache)
         return self.final_norm(x), new_cache
 

@@ -140,3 +140,32 @@ def test_the_model_takes_the_block_path_without_a_cache(monkeypatch):
     monkeypatch.setattr(A, "block_causal_attention", counting)
     prefill(cfg, lambda x, names: x, params, tokens[:, :96], mask[:, :96])
     assert calls == []
+
+
+@pytest.mark.parametrize("family, tables", [("llama", 1), ("gemma3", 2), ("gpt2", 0)])
+def test_rope_angles_give_each_layer_its_own_tables_cos_and_sin(family, tables):
+    """The angles made once per forward (``rope_angles``) and picked per layer with a traced
+    layer index (as the layer scan does) equal cos and sin of each layer's own inverse
+    frequencies, computed here in float64 from the float32 angle. Tolerance 1e-6: XLA's
+    float32 cos/sin against NumPy's float64 of the same float32 argument (|angle| < 40 here,
+    where float32 cos/sin are within a few ulps of 1)."""
+    from jaxrlhf.models.config import ModelConfig
+
+    cfg = ModelConfig.tiny(family)
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5], [7, 8, 9, 20, 30, 39]], jnp.int32)
+    angles = A.rope_angles(cfg, positions)
+    if tables == 0:
+        assert angles is None
+        return
+    assert angles.cos.shape[0] == tables
+    pick = jax.jit(lambda layer: angles.layer(cfg, layer))
+    for layer in range(cfg.num_layers):
+        inv_freq = A.rope_inverse_frequencies(cfg, layer)
+        theta = (np.asarray(positions, np.float32)[..., None] * inv_freq).astype(np.float64)
+        cos, sin = pick(jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(cos), np.cos(theta), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(sin), np.sin(theta), rtol=0, atol=1e-6)
+    if family == "gemma3":  # its sliding and full layers use different bases
+        first, second = pick(jnp.int32(0))[0], pick(jnp.int32(1))[0]
+        assert cfg.sliding_layers[0] != cfg.sliding_layers[1]
+        assert not np.allclose(np.asarray(first), np.asarray(second))
