@@ -128,35 +128,40 @@ def _inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) ->
 def distinct_rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, tuple[int, ...]]:
     """The model's distinct inverse-frequency tables ``[K, R/2]`` (K = 1, or 2 for Gemma 3's
     sliding and full layers) and, per layer, the row of the table it uses."""
+    rows: dict[bytes, int] = {}
     tables: list[np.ndarray] = []
-    index = []
+    index: list[int] = []
     for row in layer_rope_table(cfg):
-        found = [k for k, t in enumerate(tables) if np.array_equal(t, row)]
-        if not found:
+        if row.tobytes() not in rows:
+            rows[row.tobytes()] = len(tables)
             tables.append(row)
-        index.append(found[0] if found else len(tables) - 1)
+        index.append(rows[row.tobytes()])
     return np.stack(tables), tuple(index)
 
 
 @flax.struct.dataclass
 class RopeAngles:
-    """float32 cos and sin ``[K, B, T, R/2]`` of every token's RoPE angles under each of the
-    model's K distinct frequency tables (:func:`distinct_rope_tables`), made once per forward
-    (:func:`rope_angles`) and shared by every layer.
+    """cos and sin ``[K, B, T, R/2]`` (computed in float32, stored in the model's compute
+    dtype, which ``apply_rope`` casts to anyway) of every token's RoPE angles under each of
+    the model's K distinct frequency tables (:func:`distinct_rope_tables`); ``index[l]``: the
+    table layer l uses. Made once per forward (:func:`rope_angles`) for every layer.
 
-    Computed inside each layer instead, XLA:CPU fuses the cos and sin into every query and
-    key consumer and evaluates them again per head and element."""
+    Computed inside each layer instead, as the angles were before, the scanned layer loop
+    evaluates them in every layer's q and k fusions again for every head and element. An
+    unrolled stack gains nothing: there XLA:CPU fuses the shared tables back into each
+    consumer."""
 
     cos: Float[Array, "K B T R2"]
     sin: Float[Array, "K B T R2"]
+    index: tuple[int, ...] = flax.struct.field(pytree_node=False)
 
     def layer(
-        self, cfg: ModelConfig, layer: Int[Array, ""] | int
+        self, layer: Int[Array, ""] | int
     ) -> tuple[Float[Array, "B T R2"], Float[Array, "B T R2"]]:
-        """Layer ``layer``'s cos and sin (its table's row; ``layer`` may be traced)."""
+        """Layer ``layer``'s cos and sin ``[B, T, R/2]`` (``layer`` may be traced)."""
         if self.cos.shape[0] == 1:
             return self.cos[0], self.sin[0]
-        which = jnp.asarray(distinct_rope_tables(cfg)[1])[layer]
+        which = jnp.asarray(self.index)[layer]
         return self.cos[which], self.sin[which]
 
 
@@ -164,17 +169,21 @@ def rope_angles(cfg: ModelConfig, positions: Int[Array, "B T"]) -> RopeAngles | 
     """Every token's RoPE cos and sin under each distinct table (None without RoPE)."""
     if cfg.position_embedding != "rope":
         return None
-    tables, _ = distinct_rope_tables(cfg)
+    tables, index = distinct_rope_tables(cfg)
     pairs = [rope_cos_sin(positions, t) for t in tables]
-    return RopeAngles(cos=jnp.stack([c for c, _ in pairs]), sin=jnp.stack([s for _, s in pairs]))
+    return RopeAngles(
+        cos=jnp.stack([c for c, _ in pairs]).astype(cfg.compute_dtype),
+        sin=jnp.stack([s for _, s in pairs]).astype(cfg.compute_dtype),
+        index=index,
+    )
 
 
 def apply_rope(
     x: Float[Array, "B T N H"], cos: Float[Array, "B T R2"], sin: Float[Array, "B T R2"]
 ) -> Float[Array, "B T N H"]:
     """Rotary embedding in the "rotate half" layout of transformers (first/second halves of
-    the first R = 2 * (R/2) dims; any dims after them pass unrotated, as with
-    ``partial_rotary_factor`` < 1), by the float32 angle tables of :func:`rope_cos_sin`,
+    the first R = 2 * cos.shape[-1] dims; any dims after them pass unrotated, as with
+    ``partial_rotary_factor`` < 1), by the angle tables of :func:`rope_cos_sin` (float32),
     cast to ``x.dtype`` first."""
     return rotate(x, cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype))
 

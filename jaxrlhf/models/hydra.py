@@ -64,8 +64,8 @@ class Trunk(nn.Module):
         pos_embed = self.pos_embed if cfg.position_embedding == "learned" else None
         x = embed_inputs(cfg, self.constrain, self.embed, pos_embed, tokens, positions)
         if self.count:
-            rope = rope_angles(cfg, positions)
-            x, _ = self.layers(x, rope, mask, None, None, jnp.arange(self.count))
+            ids = jnp.arange(self.count)
+            x, _ = self.layers(x, rope_angles(cfg, positions), mask, None, None, ids)
         return x
 
     def attend(self, hidden):

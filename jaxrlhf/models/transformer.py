@@ -194,7 +194,7 @@ class Attention(nn.Module):
         cache: tuple[jax.Array, jax.Array] | None,
         cache_index: Int[Array, ""] | None,
     ) -> tuple[Float[Array, "B T D"], tuple[jax.Array, jax.Array] | None]:
-        """``rope``: this layer's float32 RoPE cos and sin of every token (None: no RoPE;
+        """``rope``: this layer's RoPE cos and sin of every token (None: no RoPE;
         :meth:`~jaxrlhf.models.attention.RopeAngles.layer`)."""
         cfg = self.cfg
         d, n, k_heads, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
@@ -385,7 +385,7 @@ class DecoderLayer(nn.Module):
         mask = select_layer_mask(cfg, mask, layer)
         attn_out, new_cache = Attention(cfg, self.constrain, self.lora, name="attn")(
             Norm(cfg, name="attn_norm")(x),
-            None if rope is None else rope.layer(cfg, layer),
+            None if rope is None else rope.layer(layer),
             mask,
             cache,
             cache_index,

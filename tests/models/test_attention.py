@@ -1,5 +1,5 @@
 """Block-causal attention (``dot_product_attention(..., causal=True)``) against the full XLA
-attention and a NumPy softmax.
+attention and a NumPy softmax; the RoPE angles each layer takes against NumPy.
 
 Tolerances: both sides compute in float32; skipping a key block whose weights are exactly 0
 changes only the summation order of the softmax's sum and of probs · v (observed ~1e-7 on
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.models import attention as A
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.packing import PackedShape, pack, plan_rows
 
 
@@ -117,7 +118,6 @@ def test_the_model_takes_the_block_path_without_a_cache(monkeypatch):
     equal the full attention's); prefill, which writes a cache, does not."""
     from jaxrlhf.generation.decode import prefill
     from jaxrlhf.models import model as M
-    from jaxrlhf.models.config import ModelConfig
 
     cfg = ModelConfig.bench_s(num_layers=2, vocab_size=64, max_position_embeddings=256)
     params = M.init_params(cfg, jax.random.key(0))
@@ -142,23 +142,33 @@ def test_the_model_takes_the_block_path_without_a_cache(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("family, tables", [("llama", 1), ("gemma3", 2), ("gpt2", 0)])
-def test_rope_angles_give_each_layer_its_own_tables_cos_and_sin(family, tables):
+GEMMA3_LAYERS = ("full_attention",) + ("sliding_attention",) * 4 + ("full_attention",)
+
+
+@pytest.mark.parametrize(
+    "family, overrides, tables",
+    [
+        ("llama", {}, 1),
+        ("gemma3", {}, 2),
+        # Table rows (0, 1, 1, 1, 1, 0) differ from the layer numbers past layer 1.
+        ("gemma3", dict(num_layers=6, layer_types=GEMMA3_LAYERS), 2),
+        ("gpt2", {}, 0),
+    ],
+)
+def test_rope_angles_give_each_layer_its_own_tables_cos_and_sin(family, overrides, tables):
     """The angles made once per forward (``rope_angles``) and picked per layer with a traced
     layer index (as the layer scan does) equal cos and sin of each layer's own inverse
-    frequencies, computed here in float64 from the float32 angle. Tolerance 1e-6: XLA's
-    float32 cos/sin against NumPy's float64 of the same float32 argument (|angle| < 40 here,
-    where float32 cos/sin are within a few ulps of 1)."""
-    from jaxrlhf.models.config import ModelConfig
-
-    cfg = ModelConfig.tiny(family)
+    frequencies, computed here in float64 from the same float32 angle. Tolerance 1e-6: XLA's
+    float32 cos and sin are within a few float32 ulps (1.2e-7 at magnitude 1) of the exact
+    values for these angles (|angle| < 40)."""
+    cfg = ModelConfig.tiny(family, **overrides)
     positions = jnp.asarray([[0, 1, 2, 3, 4, 5], [7, 8, 9, 20, 30, 39]], jnp.int32)
     angles = A.rope_angles(cfg, positions)
     if tables == 0:
         assert angles is None
         return
     assert angles.cos.shape[0] == tables
-    pick = jax.jit(lambda layer: angles.layer(cfg, layer))
+    pick = jax.jit(angles.layer)
     for layer in range(cfg.num_layers):
         inv_freq = A.rope_inverse_frequencies(cfg, layer)
         theta = (np.asarray(positions, np.float32)[..., None] * inv_freq).astype(np.float64)

@@ -24,13 +24,16 @@ from tests.models.hf_fixtures import padded_batch
 
 
 def _models(family):
-    cfg = ModelConfig.tiny(family).replace(num_layers=3)
+    overrides = {}
+    if family == "gemma3":  # two RoPE tables; a branch's layers pick theirs by layer id
+        overrides["layer_types"] = ("sliding_attention", "full_attention", "sliding_attention")
+    cfg = ModelConfig.tiny(family, num_layers=3, **overrides)
     lm = M.init_params(cfg, jax.random.key(0))
     score = M.init_params(cfg, jax.random.key(1), head="scalar")["score"]  # random, not 0
     return cfg, lm, score
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3", "gpt2"])
 @pytest.mark.parametrize("branch_layer", [0, 1, 2])
 def test_branches_equal_the_plain_policy_and_a_separate_critic(family, branch_layer):
     cfg, lm, score = _models(family)
