@@ -342,14 +342,13 @@ def _project(
     return out
 
 
-RopeTables = list[tuple[jax.Array, jax.Array] | None]
+RopeTables = tuple[Float[Array, "K W R2"], Float[Array, "K W R2"]] | None
 
 
 def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
-    """Each layer's cos and sin ``[W, R/2]`` (float32) of positions ``0 .. W - 1``
-    (``models.attention.rope_cos_sin``, as the model's ``apply_rope``); one pair per
-    distinct frequency table (Gemma 3's sliding and full layers have two), None per layer
-    without RoPE.
+    """float32 cos and sin ``[K, W, R/2]`` of positions ``0 .. W - 1`` under each of the
+    model's K distinct frequency tables (``models.attention.distinct_rope_tables``: Gemma 3's
+    sliding and full layers have two), as the model's ``rope_angles``; None without RoPE.
 
     Made before the token loop; each step gathers its rows' positions from them
     (:func:`decode_step`). Computed inside the step instead, XLA:CPU fuses the cos and sin
@@ -358,31 +357,27 @@ def rope_tables(cfg: ModelConfig, width: int) -> RopeTables:
     about 4% of a bench-M decode step. ``width`` must exceed every position the loop
     decodes (the cache's prompt plus generated slots)."""
     if cfg.position_embedding != "rope":
-        return [None] * cfg.num_layers
-    tables, index = distinct_rope_tables(cfg)
-    pairs = [rope_cos_sin(jnp.arange(width), table) for table in tables]
-    return [pairs[i] for i in index]
+        return None
+    tables, _ = distinct_rope_tables(cfg)
+    return rope_cos_sin(jnp.arange(width)[None], tables[:, None])
 
 
 def _layer_ropes(
     cfg: ModelConfig, positions: Int[Array, " R"], tables: RopeTables
 ) -> list[tuple[jax.Array, jax.Array] | None]:
     """Each layer's cos and sin ``[rows, 1, 1, R/2]`` of the rows' positions, gathered from
-    :func:`rope_tables` once per distinct table. ``clip``: a finished engine slot whose
-    prompt and budget filled its region sits one past the last position; its step's logits
-    and cache write are discarded, and clipping keeps them finite."""
+    :func:`rope_tables` once. ``clip``: a finished engine slot whose prompt and budget
+    filled its region sits one past the last position; its step's logits and cache write
+    are discarded, and clipping keeps them finite."""
+    if tables is None:
+        return [None] * cfg.num_layers
 
-    def rows(table: jax.Array) -> jax.Array:
-        picked = jnp.take(table, positions, axis=0, mode="clip")
-        return picked[:, None, None, :].astype(cfg.compute_dtype)
+    def rows(table: jax.Array) -> jax.Array:  # [K, W, R/2] -> [K, rows, 1, 1, R/2]
+        picked = jnp.take(table, positions, axis=1, mode="clip")
+        return picked[:, :, None, None, :].astype(cfg.compute_dtype)
 
-    gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
-    out = []
-    for table in tables:
-        if table is not None and id(table) not in gathered:
-            gathered[id(table)] = (rows(table[0]), rows(table[1]))
-        out.append(None if table is None else gathered[id(table)])
-    return out
+    cos, sin = rows(tables[0]), rows(tables[1])
+    return [(cos[k], sin[k]) for k in distinct_rope_tables(cfg)[1]]
 
 
 def _group(x: jax.Array, groups: int, n: int) -> jax.Array:

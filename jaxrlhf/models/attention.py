@@ -170,12 +170,9 @@ def rope_angles(cfg: ModelConfig, positions: Int[Array, "B T"]) -> RopeAngles | 
     if cfg.position_embedding != "rope":
         return None
     tables, index = distinct_rope_tables(cfg)
-    pairs = [rope_cos_sin(positions, t) for t in tables]
-    return RopeAngles(
-        cos=jnp.stack([c for c, _ in pairs]).astype(cfg.compute_dtype),
-        sin=jnp.stack([s for _, s in pairs]).astype(cfg.compute_dtype),
-        index=index,
-    )
+    cos, sin = rope_cos_sin(positions[None], tables[:, None, None])  # [K, B, T, R/2]
+    dtype = cfg.compute_dtype
+    return RopeAngles(cos=cos.astype(dtype), sin=sin.astype(dtype), index=index)
 
 
 def apply_rope(
