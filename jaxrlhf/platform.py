@@ -233,16 +233,31 @@ def _device_list(devices: Mesh | Sequence[Any]) -> list[Any]:
     return list(devices.devices.flat) if isinstance(devices, Mesh) else list(devices)
 
 
-def decode_weight_blocks(devices: Mesh | AbstractMesh | Sequence[Any]) -> bool:
+# A decode of at most this many rows per CPU device multiplies by weight blocks even where
+# each device has several cores (``decode_weight_blocks``' ``rows``).
+FEW_DECODE_ROWS = 4
+
+
+def decode_weight_blocks(
+    devices: Mesh | AbstractMesh | Sequence[Any], rows: int | None = None
+) -> bool:
     """Whether a decode loop on ``devices`` (a mesh or a list of devices) multiplies by
     contiguous weight blocks: on CPU devices that are at least as many as the process's
-    usable cores (about one core each). An AbstractMesh has no devices to look at and plans
-    as an accelerator (False)."""
+    usable cores (about one core each), or, given the decode's ``rows`` per device, on any
+    CPU devices where they are at most :data:`FEW_DECODE_ROWS` (an engine's tail). An
+    AbstractMesh has no devices to look at and plans as an accelerator (False).
+
+    With a few rows a decode step streams the weights from memory, and XLA:CPU's dot of
+    2-4 rows against an ``[in, out]`` kernel reads them more slowly than its batched dot
+    over contiguous column blocks; from 8 rows on the plain dot is faster on a device with
+    several cores (benchmarks/RESULTS.md, "Weight blocks for the engine's few-row views")."""
     if isinstance(devices, AbstractMesh):
         return False
     devices = _device_list(devices)
     if any(d.platform != "cpu" for d in devices):
         return False
+    if rows is not None and rows <= FEW_DECODE_ROWS:
+        return True
     return len(devices) >= usable_cores()
 
 

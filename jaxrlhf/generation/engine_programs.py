@@ -172,11 +172,14 @@ class EnginePrograms:
             lambda: self._jit_on_state(resume_slots, 3, prompt_len, max_new_tokens),
         )
 
-    def decode_weights_program(self) -> Any:
+    def decode_weights_program(self, block: int | None = None) -> Any:
         """Jitted ``decode.decode_weights`` in this engine's layout: ``params -> weights``,
-        the weights as the decode chunks read them (per-layer trees, fused and blocked
-        kernels). :meth:`generate` runs it once per call and passes its output to every
-        chunk; the chunk programs take the weights in the sharding this program gives them."""
+        the weights as the decode chunks read them (per-layer trees, fused kernels, blocked
+        by ``block`` columns: None is the sampler's ``matmul_block``; :meth:`matmul_block`
+        gives each view's). :meth:`generate` runs it once per call and layout and passes its
+        output to every chunk; the chunk programs take the weights in the sharding this
+        program gives them."""
+        block = self.sampler.matmul_block if block is None else block
 
         def build():
             shards = decode_lib.fused_shards(self.cfg, self.sampler.param_shardings)
@@ -184,13 +187,20 @@ class EnginePrograms:
                 decode_lib.decode_weights,
                 num_layers=self.cfg.num_layers,
                 shards=shards,
-                block=self.sampler.matmul_block,
+                block=block,
             )
             if self.sampler.mesh is None:
                 return jax.jit(fn)
             return jax.jit(fn, in_shardings=(self.sampler.param_shardings,))
 
-        return self._program("weights", (), build)
+        return self._program("weights", (block,), build)
+
+    def matmul_block(self, local_rows: int) -> int:
+        """The decode weight blocks of a chunk over ``local_rows`` slots per shard
+        (``Sampler.view_matmul_block``): on CPU, the views of a few slots (the long tail)
+        multiply by weight blocks, which stream faster there, while the full views keep the
+        sampler's layout. A run holds one copy of the decode weights per layout it used."""
+        return self.sampler.view_matmul_block(local_rows)
 
     def _decode_chunk(self, statics: SamplingStatics) -> Any:
         """:func:`decode_chunk` with this engine's model and chunk length bound:

@@ -197,8 +197,16 @@ class EngineRun(EpisodeSteps):
         if self.carry is not None:
             self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
-        weights = eng.decode_weights_program()(self.params)
+        weights: dict[int, Any] = {}  # matmul block -> the decode weights in that layout
+
+        def weights_for(rows: int) -> Any:
+            block = eng.matmul_block(rows)
+            if block not in weights:
+                weights[block] = eng.decode_weights_program(block)(self.params)
+            return weights[block]
+
         chunk_fn = eng.chunk_program(self.statics, self.prompt_len)
+        local = eng.slots // eng.slot_shards
         while len(self.kept) < self.keep:
             state = self._admit(state)
             if not (self.slot_group >= 0).any():  # nothing running, nothing admissible
@@ -206,11 +214,11 @@ class EngineRun(EpisodeSteps):
             if self.decoding.any():
                 view = self._view() if self.engine.views else None
                 if view is None:
-                    state = chunk_fn(self.params, weights, state, self.arrays)
+                    state = chunk_fn(self.params, weights_for(local), state, self.arrays)
                 else:
                     rows, width, ids = view
                     fn = self.engine.view_chunk_program(self.statics, self.prompt_len, rows, width)
-                    state = fn(self.params, weights, state, self.arrays, ids)
+                    state = fn(self.params, weights_for(rows), state, self.arrays, ids)
                 self.chunks += 1
             else:  # every running slot waits for its environment
                 self._wait_env()

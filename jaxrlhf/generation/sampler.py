@@ -359,11 +359,13 @@ def finalize(state: SamplerState, arrays: dict[str, jax.Array]) -> SampleOutput:
     )
 
 
-def default_matmul_block(devices: Any) -> int:
-    """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices):
+def default_matmul_block(devices: Any, rows: int | None = None) -> int:
+    """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices),
+    or, given ``rows``, for a decode of that many rows per device (the engine's views):
     ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks` says weight
     blocks pay off there, else 0 (the kernels' own layout)."""
-    return decode_lib.CPU_MATMUL_BLOCK if platform.decode_weight_blocks(devices) else 0
+    blocks = platform.decode_weight_blocks(devices, rows)
+    return decode_lib.CPU_MATMUL_BLOCK if blocks else 0
 
 
 # ---- the sampler object (outside jit) ---------------------------------------------------
@@ -382,7 +384,8 @@ class Sampler:
         compile a single loop).
       matmul_block: columns per weight block of the decode matmuls
         (``decode.decode_weights``); 0 keeps the kernels' ``[in, out]`` layout. None:
-        :func:`default_matmul_block` of the sampler's devices.
+        :func:`default_matmul_block` of the sampler's devices, and the rollout engine
+        picks per view (:meth:`view_matmul_block`).
     """
 
     def __init__(
@@ -400,8 +403,9 @@ class Sampler:
         self.rules = rules
         self.decode_phases = decode_phases
         self.min_phase_tokens = min_phase_tokens
+        self.blocks_by_rows = matmul_block is None  # the platform's choice, per view
         if matmul_block is None:
-            matmul_block = default_matmul_block([jax.devices()[0]] if mesh is None else mesh)
+            matmul_block = default_matmul_block(self.devices)
         if matmul_block < 0:
             raise ValueError(f"matmul_block={matmul_block} must be >= 0")
         self.matmul_block = matmul_block
@@ -410,6 +414,19 @@ class Sampler:
         )
         self.param_shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
         self._jitted: dict[tuple, Any] = {}
+
+    @property
+    def devices(self) -> Any:
+        """The sampler's devices: its mesh, or the default device in a list."""
+        return [jax.devices()[0]] if self.mesh is None else self.mesh
+
+    def view_matmul_block(self, rows: int) -> int:
+        """``matmul_block`` for a decode of ``rows`` rows per device (the rollout engine's
+        views): the sampler's own where it was given, else :func:`default_matmul_block` for
+        that many rows (CPU weight blocks for a few rows)."""
+        if not self.blocks_by_rows:
+            return self.matmul_block
+        return default_matmul_block(self.devices, rows)
 
     # -- layouts and memory --------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrlhf import platform
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as M
@@ -64,6 +65,38 @@ def test_engine_samples_what_the_static_sampler_samples(setup, slots, chunk, n):
     _same(out.finished, ref, np.arange(B * n))
     assert out.aborted_groups == 0 and list(out.kept_groups) == list(range(B))
     assert out.generated_tokens == int(np.asarray(ref.lengths).sum())
+
+
+def test_few_slot_views_decode_with_weight_blocks(setup, monkeypatch):
+    """On CPU, views of at most ``platform.FEW_DECODE_ROWS`` slots per shard (the long tail)
+    multiply by weight blocks, and wider ones keep the sampler's plain kernels: one run uses
+    both layouts and still samples what the static sampler samples (log-probs to 1e-5: the
+    blocked matmul sums in another order). A sampler given ``matmul_block`` keeps it in
+    every view."""
+    cfg, params, tokens, mask = setup
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)  # one device, a spare core
+    sampler, key = Sampler(cfg), jax.random.key(6)
+    engine = Engine(sampler, slots=12, chunk=4)  # views of 12, 6 and 3 slots
+    assert sampler.matmul_block == 0
+    assert [engine.matmul_block(rows) for rows in (12, 6, 3)] == [0, 0, 64]
+    built = []
+    program = engine.decode_weights_program
+    monkeypatch.setattr(
+        engine, "decode_weights_program", lambda block=None: built.append(block) or program(block)
+    )
+    budgets = np.array([12, 2, 3, 2, 2, 4])  # after one chunk, 2 rows left: 3-slot views
+    ref = jax.device_get(sampler.generate(params, tokens, mask, key, GREEDY))
+    out = engine.generate(params, tokens, mask, key, GREEDY, max_new_tokens=budgets)
+    want = np.repeat(budgets, 2)
+    np.testing.assert_array_equal(out.finished.lengths, want)
+    for r in range(B * 2):
+        np.testing.assert_array_equal(out.finished.tokens[r, : want[r]], ref.tokens[r, : want[r]])
+        np.testing.assert_allclose(
+            out.finished.model_logprobs[r, : want[r]], ref.model_logprobs[r, : want[r]], atol=1e-5
+        )
+    assert sorted(built) == [0, 64]  # each layout made once in the call
+    fixed = Engine(Sampler(cfg, matmul_block=0), slots=12, chunk=4)
+    assert [fixed.matmul_block(rows) for rows in (12, 6, 3)] == [0, 0, 0]
 
 
 def test_a_freed_slot_serves_the_next_prompt_as_if_alone(setup):

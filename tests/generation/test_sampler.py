@@ -239,8 +239,8 @@ def test_weight_blocks_change_only_rounding():
 
 def test_default_matmul_block(monkeypatch):
     """Blocks where each of the sampler's CPU devices has about one core (at least as many
-    devices as cores), plain kernels where XLA can split a matmul over spare cores, and on
-    accelerators."""
+    devices as cores) or where a decode has at most 4 rows per device, plain kernels where
+    XLA can split a wider matmul over spare cores, and on accelerators."""
     cpus = jax.devices("cpu")
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)
     assert default_matmul_block(cpus[:1]) == 0
@@ -251,8 +251,13 @@ def test_default_matmul_block(monkeypatch):
     assert default_matmul_block(Mesh(np.array(cpus[:1]), ("data",))) == 64
     assert Sampler(tiny_cfg("llama")).matmul_block == 64  # one (CPU) device, one core
     assert default_matmul_block(AbstractMesh((1,), ("data",))) == 0  # no devices: as on GPU
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)
+    # A decode of a few rows per device (the engine's tail views) streams faster in blocks.
+    assert [default_matmul_block(cpus[:1], rows) for rows in (1, 4, 5, 32)] == [64, 64, 0, 0]
+    assert default_matmul_block(AbstractMesh((1,), ("data",)), rows=2) == 0
 
     class Accelerator:
         platform = "gpu"
 
     assert default_matmul_block([Accelerator()]) == 0
+    assert default_matmul_block([Accelerator()], rows=2) == 0
