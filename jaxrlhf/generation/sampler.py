@@ -384,8 +384,9 @@ class Sampler:
         compile a single loop).
       matmul_block: columns per weight block of the decode matmuls
         (``decode.decode_weights``); 0 keeps the kernels' ``[in, out]`` layout. None:
-        :func:`default_matmul_block` of the sampler's devices, and the rollout engine
-        picks per view (:meth:`view_matmul_block`).
+        :func:`default_matmul_block` of the sampler's devices, refined per decode by its
+        rows per device (:meth:`view_matmul_block`: the rollout engine's views, and a static
+        decode of a few rows).
     """
 
     def __init__(
@@ -420,10 +421,17 @@ class Sampler:
         """The sampler's devices: its mesh, or the default device in a list."""
         return [jax.devices()[0]] if self.mesh is None else self.mesh
 
+    def rows_per_device(self, batch: int) -> int:
+        """How many of ``batch`` rows split over the batch axis each device holds."""
+        if self.mesh is None:
+            return batch
+        return self._sharding((axes.BATCH,), (batch,)).shard_shape((batch,))[0]
+
     def view_matmul_block(self, rows: int) -> int:
         """``matmul_block`` for a decode of ``rows`` rows per device (the rollout engine's
         views): the sampler's own where it was given, else :func:`default_matmul_block` for
-        that many rows (CPU weight blocks for a few rows)."""
+        that many rows (CPU weight blocks for a few rows). The static sampler's decode uses
+        it too, for its prompts times ``n`` per device."""
         if not self.blocks_by_rows:
             return self.matmul_block
         return default_matmul_block(self.devices, rows)
@@ -499,6 +507,7 @@ class Sampler:
         )
         phases = phase_sizes(statics.max_new_tokens, self.decode_phases, self.min_phase_tokens)
         shards = decode_lib.fused_shards(self.cfg, self.param_shardings)
+        block = self.view_matmul_block(self.rows_per_device(batch) * statics.n)
         loop_fn = functools.partial(
             decode_loop,
             self.cfg,
@@ -507,7 +516,7 @@ class Sampler:
             loop,
             phases,
             shards,
-            self.matmul_block,
+            block,
         )
 
         def decode_fn(params, state, arrays):

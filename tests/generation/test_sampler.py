@@ -226,15 +226,37 @@ def test_weight_blocks_change_only_rounding():
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
 
-    def batched_matmuls(s: Sampler) -> int:  # decode.blocked_matmul's einsum, compiled
-        state = s.prefill(params, tokens, mask, jax.random.key(16), SAMPLED)
-        fn = s.decode_program(SAMPLED.static(), "scan", *tokens.shape)
-        hlo = fn.lower(params, state, SAMPLED.arrays()).compile().as_text()
-        return hlo.count("BRK,BKJ->BRJ")
-
-    assert batched_matmuls(blocked) > 0 and batched_matmuls(plain) == 0
+    assert _batched_matmuls(blocked, params, tokens, mask, SAMPLED) > 0
+    assert _batched_matmuls(plain, params, tokens, mask, SAMPLED) == 0
     with pytest.raises(ValueError, match="matmul_block=-1"):
         Sampler(cfg, matmul_block=-1)
+
+
+def _batched_matmuls(s: Sampler, params, tokens, mask, sampling: SamplingParams) -> int:
+    """How many of decode.blocked_matmul's batched dots the compiled decode program has."""
+    state = s.prefill(params, tokens, mask, jax.random.key(16), sampling)
+    fn = s.decode_program(sampling.static(), "scan", *tokens.shape)
+    hlo = fn.lower(params, state, sampling.arrays()).compile().as_text()
+    return hlo.count("BRK,BKJ->BRJ")
+
+
+def test_a_decode_of_a_few_rows_uses_weight_blocks(monkeypatch):
+    """A default sampler on one CPU device with a spare core (plain kernels) decodes 4 rows
+    (4 prompts) with weight blocks, as the engine's tail views do, and 8 (n = 2) with the
+    plain kernels; the 4 rows sample the plain sampler's tokens (log-probs to rounding)."""
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)
+    cfg, params = tiny_cfg("qwen2"), tiny_params("qwen2")
+    tokens, mask = prompts(cfg.vocab_size, seed=15)  # 4 prompts
+    sampler, plain = Sampler(cfg), Sampler(cfg, matmul_block=0)
+    assert sampler.matmul_block == 0
+    assert _batched_matmuls(sampler, params, tokens, mask, SAMPLED) > 0
+    two = SamplingParams(temperature=1.0, max_new_tokens=NEW, n=2)
+    assert _batched_matmuls(sampler, params, tokens, mask, two) == 0
+    assert _batched_matmuls(plain, params, tokens, mask, SAMPLED) == 0
+    ref = _np(plain.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
+    out = _np(sampler.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
 
 
 def test_default_matmul_block(monkeypatch):
