@@ -12,9 +12,11 @@ can call it too (first thing, before any JAX computation).
   cgroup v2 quota).
 * **Decode weight blocks.** :func:`decode_weight_blocks` says whether the sampler's decode
   loop should multiply by contiguous weight blocks (``generation.decode.decode_weights``):
-  where each CPU device runs on about one core. With more cores than devices XLA:CPU splits
-  a plain matmul over several threads, which the batched matmul of the blocks does not
-  match; accelerators keep the plain kernels (blocks are unmeasured there).
+  where each CPU device runs on about one core, and for a decode of at most
+  :data:`FEW_DECODE_ROWS` rows per device (the engine's tail, a small static batch) where a
+  device has at most two cores. With more cores than devices XLA:CPU splits a plain matmul
+  of many rows over several threads, which the batched matmul of the blocks does not match;
+  accelerators keep the plain kernels (blocks are unmeasured there).
 * **One program in flight.** :func:`serialize_programs` waits for a tree when the mesh is
   on CPU devices (see its docstring for the deadlock it avoids).
 * **Programs in flight at once.** :func:`cpu_client_threads` / :func:`set_cpu_client_threads`:
@@ -234,7 +236,7 @@ def _device_list(devices: Mesh | Sequence[Any]) -> list[Any]:
 
 
 # A decode of at most this many rows per CPU device multiplies by weight blocks even where
-# each device has several cores (``decode_weight_blocks``' ``rows``).
+# each device has two cores (``decode_weight_blocks``' ``rows``).
 FEW_DECODE_ROWS = 4
 
 
@@ -243,22 +245,25 @@ def decode_weight_blocks(
 ) -> bool:
     """Whether a decode loop on ``devices`` (a mesh or a list of devices) multiplies by
     contiguous weight blocks: on CPU devices that are at least as many as the process's
-    usable cores (about one core each), or, given the decode's ``rows`` per device, on any
-    CPU devices where they are at most :data:`FEW_DECODE_ROWS` (an engine's tail). An
+    usable cores (about one core each), or, given the decode's ``rows`` per device, where
+    they are at most :data:`FEW_DECODE_ROWS` and each CPU device has at most two cores. An
     AbstractMesh has no devices to look at and plans as an accelerator (False).
 
-    With a few rows a decode step streams the weights from memory, and XLA:CPU's dot of
-    2-4 rows against an ``[in, out]`` kernel reads them more slowly than its batched dot
-    over contiguous column blocks; from 8 rows on the plain dot is faster on a device with
-    several cores (benchmarks/RESULTS.md, "Weight blocks for the engine's few-row views")."""
+    With a few rows a decode step streams the weights from memory, and on a device of two
+    cores XLA:CPU's dot of 2-4 rows against an ``[in, out]`` kernel reads them more slowly
+    than its batched dot over contiguous column blocks, while from 8 rows on the plain dot
+    is faster (``benchmarks/decode_matmuls.py``; benchmarks/RESULTS.md, "Weight blocks for
+    the engine's few-row views"). More cores per device are unmeasured: they keep the
+    plain kernels."""
     if isinstance(devices, AbstractMesh):
         return False
     devices = _device_list(devices)
     if any(d.platform != "cpu" for d in devices):
         return False
-    if rows is not None and rows <= FEW_DECODE_ROWS:
+    cores = usable_cores()
+    if rows is not None and rows <= FEW_DECODE_ROWS and cores <= 2 * len(devices):
         return True
-    return len(devices) >= usable_cores()
+    return len(devices) >= cores
 
 
 def serialize_programs(mesh: Mesh | None, tree: Any) -> Any:

@@ -16,8 +16,9 @@ the engine instead keeps ``slots`` rows busy:
   are done, hands their samples out (the RL loop scores them while the tail decodes) and
   admits queued prompts into free slots with :func:`admit`: one batched prefill per call,
   each prompt prefilled once and its cache copied into its ``n`` samples' slots. The weights
-  in decode layout (per-layer trees, fused kernels) are made once per call
-  (:meth:`Engine.decode_weights_program`) and passed to every chunk.
+  in decode layout (per-layer trees, fused kernels) are made once per call and layout
+  (:meth:`Engine.decode_weights_program`; on CPU the few-slot views use weight blocks) and
+  passed to every chunk.
 * **Exactness.** A request's row ``r`` (prompt-major, as the static sampler numbers rows)
   samples step ``t`` with the random number ``draw_uniforms(key, R, T)[r, t]``, the static
   sampler's, whichever slot it lands in and whenever it starts; the logits come from the same

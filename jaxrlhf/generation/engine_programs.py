@@ -175,7 +175,7 @@ class EnginePrograms:
     def decode_weights_program(self, block: int | None = None) -> Any:
         """Jitted ``decode.decode_weights`` in this engine's layout: ``params -> weights``,
         the weights as the decode chunks read them (per-layer trees, fused kernels, blocked
-        by ``block`` columns: None is the sampler's ``matmul_block``; :meth:`matmul_block`
+        by ``block`` columns: None is the sampler's ``matmul_block``; :meth:`view_matmul_block`
         gives each view's). :meth:`generate` runs it once per call and layout and passes its
         output to every chunk; the chunk programs take the weights in the sharding this
         program gives them."""
@@ -195,11 +195,13 @@ class EnginePrograms:
 
         return self._program("weights", (block,), build)
 
-    def matmul_block(self, local_rows: int) -> int:
+    def view_matmul_block(self, local_rows: int) -> int:
         """The decode weight blocks of a chunk over ``local_rows`` slots per shard
         (``Sampler.view_matmul_block``): on CPU, the views of a few slots (the long tail)
         multiply by weight blocks, which stream faster there, while the full views keep the
-        sampler's layout. A run holds one copy of the decode weights per layout it used."""
+        sampler's layout. A run holds one copy of the decode weights per layout it used.
+        Views stop at an eighth of the slots per shard, so with over 32 slots per shard no
+        view is that small."""
         return self.sampler.view_matmul_block(local_rows)
 
     def _decode_chunk(self, statics: SamplingStatics) -> Any:

@@ -198,9 +198,12 @@ class EngineRun(EpisodeSteps):
             self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
         weights: dict[int, Any] = {}  # matmul block -> the decode weights in that layout
+        blocks: dict[int, int] = {}  # rows per shard -> matmul block
 
         def weights_for(rows: int) -> Any:
-            block = eng.matmul_block(rows)
+            if rows not in blocks:
+                blocks[rows] = eng.view_matmul_block(rows)
+            block = blocks[rows]
             if block not in weights:
                 weights[block] = eng.decode_weights_program(block)(self.params)
             return weights[block]

@@ -361,7 +361,8 @@ def finalize(state: SamplerState, arrays: dict[str, jax.Array]) -> SampleOutput:
 
 def default_matmul_block(devices: Any, rows: int | None = None) -> int:
     """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices),
-    or, given ``rows``, for a decode of that many rows per device (the engine's views):
+    or, given ``rows``, for a decode of that many rows per device (an engine view, a static
+    decode):
     ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks` says weight
     blocks pay off there, else 0 (the kernels' own layout)."""
     blocks = platform.decode_weight_blocks(devices, rows)
@@ -404,7 +405,7 @@ class Sampler:
         self.rules = rules
         self.decode_phases = decode_phases
         self.min_phase_tokens = min_phase_tokens
-        self.blocks_by_rows = matmul_block is None  # the platform's choice, per view
+        self._blocks_by_rows = matmul_block is None  # the platform's choice, per decode
         if matmul_block is None:
             matmul_block = default_matmul_block(self.devices)
         if matmul_block < 0:
@@ -422,7 +423,8 @@ class Sampler:
         return [jax.devices()[0]] if self.mesh is None else self.mesh
 
     def rows_per_device(self, batch: int) -> int:
-        """How many of ``batch`` rows split over the batch axis each device holds."""
+        """How many of ``batch`` rows (prompts, or sample rows: prompts x n) split over the
+        batch axis each device holds."""
         if self.mesh is None:
             return batch
         return self._sharding((axes.BATCH,), (batch,)).shard_shape((batch,))[0]
@@ -432,7 +434,7 @@ class Sampler:
         views): the sampler's own where it was given, else :func:`default_matmul_block` for
         that many rows (CPU weight blocks for a few rows). The static sampler's decode uses
         it too, for its prompts times ``n`` per device."""
-        if not self.blocks_by_rows:
+        if not self._blocks_by_rows:
             return self.matmul_block
         return default_matmul_block(self.devices, rows)
 
@@ -507,7 +509,7 @@ class Sampler:
         )
         phases = phase_sizes(statics.max_new_tokens, self.decode_phases, self.min_phase_tokens)
         shards = decode_lib.fused_shards(self.cfg, self.param_shardings)
-        block = self.view_matmul_block(self.rows_per_device(batch) * statics.n)
+        block = self.view_matmul_block(self.rows_per_device(batch * statics.n))
         loop_fn = functools.partial(
             decode_loop,
             self.cfg,

@@ -371,9 +371,10 @@ def decode_chunk(
 ) -> SlotState:
     """``chunk`` steps of every slot: sample, then feed the sampled token.
 
-    ``weights`` is ``decode.decode_weights(params, ...)``, made once per engine call
-    (``Engine.decode_weights_program``) and passed to every chunk: built inside the chunk, its
-    per-layer slices and fused kernels would copy all the weights on every chunk. The RoPE
+    ``weights`` is ``decode.decode_weights(params, ...)``, made once per engine call and
+    layout (``Engine.decode_weights_program``) and passed to every chunk: built inside the
+    chunk, its per-layer slices and fused kernels would copy all the weights on every
+    chunk. The RoPE
     tables cover a slot's whole region (prompt plus generated slots), also in a view."""
     ropes = decode_lib.rope_tables(cfg, state.prefix_mask.shape[1] + state.tokens.shape[1])
 

@@ -18,6 +18,7 @@ from jaxrlhf import platform
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.sampler import default_matmul_block
 from jaxrlhf.losses import token_logprobs
+from jaxrlhf.sharding import MeshConfig, make_mesh
 from tests.generation.helpers import (
     FAMILIES,
     greedy_reference,
@@ -257,12 +258,22 @@ def test_a_decode_of_a_few_rows_uses_weight_blocks(monkeypatch):
     out = _np(sampler.generate(params, tokens, mask, jax.random.key(16), SAMPLED))
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.model_logprobs, ref.model_logprobs, atol=1e-5, rtol=0)
+    # On a mesh the rows per device decide: 2 prompts x 4 samples over 4 data shards are 2
+    # rows per device (the 2 prompts alone do not split 4 ways), 8 x 4 are 8.
+    monkeypatch.setattr(platform, "usable_cores", lambda: 16)  # two cores per device
+    sharded = Sampler(cfg, make_mesh(MeshConfig(data=4, fsdp=1, tensor=2)))
+    four = SamplingParams(temperature=1.0, max_new_tokens=NEW, n=4)
+    two_prompts = prompts(cfg.vocab_size, lengths=(7, 4), seed=15)
+    eight_prompts = prompts(cfg.vocab_size, lengths=(7, 4, 2, 5) * 2, seed=15)
+    assert _batched_matmuls(sharded, params, *two_prompts, four) > 0
+    assert _batched_matmuls(sharded, params, *eight_prompts, four) == 0
 
 
 def test_default_matmul_block(monkeypatch):
     """Blocks where each of the sampler's CPU devices has about one core (at least as many
-    devices as cores) or where a decode has at most 4 rows per device, plain kernels where
-    XLA can split a wider matmul over spare cores, and on accelerators."""
+    devices as cores) or where a decode has at most 4 rows per device of at most two cores,
+    plain kernels where XLA can split a wider matmul over spare cores, and on
+    accelerators."""
     cpus = jax.devices("cpu")
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)
     assert default_matmul_block(cpus[:1]) == 0
@@ -277,6 +288,10 @@ def test_default_matmul_block(monkeypatch):
     # A decode of a few rows per device (the engine's tail views) streams faster in blocks.
     assert [default_matmul_block(cpus[:1], rows) for rows in (1, 4, 5, 32)] == [64, 64, 0, 0]
     assert default_matmul_block(AbstractMesh((1,), ("data",)), rows=2) == 0
+    monkeypatch.setattr(platform, "usable_cores", lambda: 16)  # unmeasured: plain kernels
+    assert default_matmul_block(cpus[:1], rows=2) == 0
+    monkeypatch.setattr(platform, "usable_cores", lambda: 1)  # rows never turn blocks off
+    assert default_matmul_block(cpus[:1], rows=32) == 64
 
     class Accelerator:
         platform = "gpu"
