@@ -362,9 +362,8 @@ def finalize(state: SamplerState, arrays: dict[str, jax.Array]) -> SampleOutput:
 def default_matmul_block(devices: Any, rows: int | None = None) -> int:
     """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices),
     or, given ``rows``, for a decode of that many rows per device (an engine view, a static
-    decode):
-    ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks` says weight
-    blocks pay off there, else 0 (the kernels' own layout)."""
+    decode): ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks`
+    says weight blocks pay off there, else 0 (the kernels' own layout)."""
     blocks = platform.decode_weight_blocks(devices, rows)
     return decode_lib.CPU_MATMUL_BLOCK if blocks else 0
 
@@ -432,8 +431,8 @@ class Sampler:
     def view_matmul_block(self, rows: int) -> int:
         """``matmul_block`` for a decode of ``rows`` rows per device (the rollout engine's
         views): the sampler's own where it was given, else :func:`default_matmul_block` for
-        that many rows (CPU weight blocks for a few rows). The static sampler's decode uses
-        it too, for its prompts times ``n`` per device."""
+        that many rows (CPU weight blocks for a few rows). The static decode uses it too, for
+        its sample rows (prompts x ``n``) per device."""
         if not self._blocks_by_rows:
             return self.matmul_block
         return default_matmul_block(self.devices, rows)

@@ -374,8 +374,8 @@ def decode_chunk(
     ``weights`` is ``decode.decode_weights(params, ...)``, made once per engine call and
     layout (``Engine.decode_weights_program``) and passed to every chunk: built inside the
     chunk, its per-layer slices and fused kernels would copy all the weights on every
-    chunk. The RoPE
-    tables cover a slot's whole region (prompt plus generated slots), also in a view."""
+    chunk. The RoPE tables cover a slot's whole region (prompt plus generated slots), also
+    in a view."""
     ropes = decode_lib.rope_tables(cfg, state.prefix_mask.shape[1] + state.tokens.shape[1])
 
     def body(s: SlotState, _) -> tuple[SlotState, None]:
