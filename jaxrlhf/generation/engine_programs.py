@@ -33,7 +33,6 @@ from jaxrlhf.generation.slots import (
     resume_slots,
     take_view,
 )
-from jaxrlhf.models import axes
 from jaxrlhf.models.config import ModelConfig
 
 
@@ -175,10 +174,12 @@ class EnginePrograms:
     def decode_weights_program(self, block: int | None = None) -> Any:
         """Jitted ``decode.decode_weights`` in this engine's layout: ``params -> weights``,
         the weights as the decode chunks read them (per-layer trees, fused kernels, blocked
-        by ``block`` columns: None is the sampler's ``matmul_block``; :meth:`view_matmul_block`
-        gives each view's). :meth:`generate` runs it once per call and layout and passes its
-        output to every chunk; the chunk programs take the weights in the sharding this
-        program gives them."""
+        by ``block`` columns: None is the sampler's ``matmul_block``). :meth:`generate` runs it
+        once per call and layout and passes its output to every chunk; each view takes the
+        layout ``Sampler.matmul_block_for`` gives its slots per shard (on CPU the few-slot
+        views of the long tail multiply by weight blocks, which stream faster there; views
+        stop at an eighth of the slots per shard). The chunk programs take the weights in the
+        sharding this program gives them."""
         block = self.sampler.matmul_block if block is None else block
 
         def build():
@@ -194,15 +195,6 @@ class EnginePrograms:
             return jax.jit(fn, in_shardings=(self.sampler.param_shardings,))
 
         return self._program("weights", (block,), build)
-
-    def view_matmul_block(self, local_rows: int) -> int:
-        """The decode weight blocks of a chunk over ``local_rows`` slots per shard
-        (``Sampler.view_matmul_block``): on CPU, the views of a few slots (the long tail)
-        multiply by weight blocks, which stream faster there, while the full views keep the
-        sampler's layout. A run holds one copy of the decode weights per layout it used.
-        Views stop at an eighth of the slots per shard, so with over 32 slots per shard no
-        view is that small."""
-        return self.sampler.view_matmul_block(local_rows)
 
     def _decode_chunk(self, statics: SamplingStatics) -> Any:
         """:func:`decode_chunk` with this engine's model and chunk length bound:
@@ -232,10 +224,7 @@ class EnginePrograms:
     @functools.cached_property
     def slot_shards(self) -> int:
         """How many data shards split the slots (1 without a mesh)."""
-        sharding = self._sharding((axes.BATCH,), (self.slots,))
-        if sharding is None:
-            return 1
-        return self.slots // sharding.shard_shape((self.slots,))[0]
+        return self.slots // self.sampler.rows_per_device(self.slots)
 
     def view_chunk_program(
         self, statics: SamplingStatics, prompt_len: int, local_rows: int, width: int

@@ -197,19 +197,17 @@ class EngineRun(EpisodeSteps):
         if self.carry is not None:
             self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
+        # Each view's weight layout (by its slots per shard); each layout made on first use.
+        blocks = {rows: eng.sampler.matmul_block_for(rows) for rows in self.row_buckets}
         weights: dict[int, Any] = {}  # matmul block -> the decode weights in that layout
-        blocks: dict[int, int] = {}  # rows per shard -> matmul block
 
         def weights_for(rows: int) -> Any:
-            if rows not in blocks:
-                blocks[rows] = eng.view_matmul_block(rows)
-            block = blocks[rows]
-            if block not in weights:
-                weights[block] = eng.decode_weights_program(block)(self.params)
-            return weights[block]
+            if blocks[rows] not in weights:
+                weights[blocks[rows]] = eng.decode_weights_program(blocks[rows])(self.params)
+            return weights[blocks[rows]]
 
         chunk_fn = eng.chunk_program(self.statics, self.prompt_len)
-        local = eng.slots // eng.slot_shards
+        local = self.row_buckets[-1]  # every slot of a shard
         while len(self.kept) < self.keep:
             state = self._admit(state)
             if not (self.slot_group >= 0).any():  # nothing running, nothing admissible

@@ -385,7 +385,7 @@ class Sampler:
       matmul_block: columns per weight block of the decode matmuls
         (``decode.decode_weights``); 0 keeps the kernels' ``[in, out]`` layout. None:
         :func:`default_matmul_block` of the sampler's devices, refined per decode by its
-        rows per device (:meth:`view_matmul_block`: the rollout engine's views, and a static
+        rows per device (:meth:`matmul_block_for`: the rollout engine's views, and a static
         decode of a few rows).
     """
 
@@ -428,9 +428,9 @@ class Sampler:
             return batch
         return self._sharding((axes.BATCH,), (batch,)).shard_shape((batch,))[0]
 
-    def view_matmul_block(self, rows: int) -> int:
-        """``matmul_block`` for a decode of ``rows`` rows per device (the rollout engine's
-        views): the sampler's own where it was given, else :func:`default_matmul_block` for
+    def matmul_block_for(self, rows: int) -> int:
+        """``matmul_block`` for a decode of ``rows`` rows per device (a rollout engine view):
+        the sampler's own where it was given, else :func:`default_matmul_block` for
         that many rows (CPU weight blocks for a few rows). The static decode uses it too, for
         its sample rows (prompts x ``n``) per device."""
         if not self._blocks_by_rows:
@@ -508,7 +508,7 @@ class Sampler:
         )
         phases = phase_sizes(statics.max_new_tokens, self.decode_phases, self.min_phase_tokens)
         shards = decode_lib.fused_shards(self.cfg, self.param_shardings)
-        block = self.view_matmul_block(self.rows_per_device(batch * statics.n))
+        block = self.matmul_block_for(self.rows_per_device(batch * statics.n))
         loop_fn = functools.partial(
             decode_loop,
             self.cfg,

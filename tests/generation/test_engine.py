@@ -78,7 +78,7 @@ def test_few_slot_views_decode_with_weight_blocks(setup, monkeypatch):
     sampler, key = Sampler(cfg), jax.random.key(6)
     engine = Engine(sampler, slots=12, chunk=4)  # views of 12, 6 and 3 slots
     assert sampler.matmul_block == 0
-    assert [engine.view_matmul_block(rows) for rows in (12, 6, 3)] == [0, 0, 64]
+    assert [sampler.matmul_block_for(rows) for rows in (12, 6, 3)] == [0, 0, 64]
     built = []
     program = engine.decode_weights_program
     monkeypatch.setattr(
@@ -95,8 +95,8 @@ def test_few_slot_views_decode_with_weight_blocks(setup, monkeypatch):
             out.finished.model_logprobs[r, : want[r]], ref.model_logprobs[r, : want[r]], atol=1e-5
         )
     assert sorted(built) == [0, 64]  # each layout made once in the call
-    fixed = Engine(Sampler(cfg, matmul_block=0), slots=12, chunk=4)
-    assert [fixed.view_matmul_block(rows) for rows in (12, 6, 3)] == [0, 0, 0]
+    fixed = Sampler(cfg, matmul_block=0)
+    assert [fixed.matmul_block_for(rows) for rows in (12, 6, 3)] == [0, 0, 0]
 
 
 def test_a_freed_slot_serves_the_next_prompt_as_if_alone(setup):
