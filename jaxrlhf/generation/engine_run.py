@@ -198,10 +198,15 @@ class EngineRun(EpisodeSteps):
             self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
         # Each view's weight layout (by its slots per shard); each layout made on first use.
+        # A layout no later chunk can use is dropped before another is made, so the tail
+        # holds one copy of the decode weights, as the dry run plans.
         blocks = {rows: eng.sampler.matmul_block_for(rows) for rows in self.row_buckets}
         weights: dict[int, Any] = {}  # matmul block -> the decode weights in that layout
 
         def weights_for(rows: int) -> Any:
+            bound = self._rows_bound()
+            for block in set(weights) - {blocks[b] for b in self.row_buckets if b <= bound}:
+                del weights[block]
             if blocks[rows] not in weights:
                 weights[blocks[rows]] = eng.decode_weights_program(blocks[rows])(self.params)
             return weights[blocks[rows]]
@@ -357,12 +362,27 @@ class EngineRun(EpisodeSteps):
         ids = [np.concatenate([np.flatnonzero(a), np.flatnonzero(~a)])[:rows] for a in active]
         return rows, width, np.concatenate(ids).astype(np.int32)
 
+    def _budget_spent(self) -> bool:
+        """Whether the decoded tokens have reached the token budget (no more admissions)."""
+        return self.token_budget is not None and self.generated >= self.token_budget
+
+    def _rows_bound(self) -> int:
+        """The most slots per shard any later chunk can decode: every slot of a shard while a
+        queued prompt can still be admitted (or without views), else the smallest view
+        holding the busiest shard's occupied slots, running or waiting for an environment
+        (from then on a slot is only freed)."""
+        local = self.row_buckets[-1]
+        if not self.engine.views or (self.queue and not self._budget_spent()):
+            return local
+        occupied = (self.slot_group >= 0).reshape(self.engine.slot_shards, local).sum(1).max()
+        return min(b for b in self.row_buckets if b >= occupied)
+
     def _admit(self, state: SlotState) -> SlotState:
         """Starts queued prompts in free slots (in order, whole groups), unless the token
         budget is spent."""
         free = np.flatnonzero(self.slot_group < 0)
         groups = min(len(free) // self.n, len(self.queue))
-        if self.token_budget is not None and self.generated >= self.token_budget:
+        if self._budget_spent():
             groups = 0
         if groups == 0:
             return state

@@ -8,6 +8,9 @@ random number within that distance of a CDF boundary, the tokens are identical.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -71,19 +74,32 @@ def test_few_slot_views_decode_with_weight_blocks(setup, monkeypatch):
     """On CPU, views of at most ``platform.FEW_DECODE_ROWS`` slots per shard (the long tail)
     multiply by weight blocks, and wider ones keep the sampler's plain kernels: one run uses
     both layouts and still samples what the static sampler samples (log-probs to 1e-5: the
-    blocked matmul sums in another order). A sampler given ``matmul_block`` keeps it in
-    every view."""
+    blocked matmul sums in another order). With nothing left to admit, the plain layout is
+    released before the blocks are made (one copy at a time). A sampler given
+    ``matmul_block`` keeps it in every view."""
     cfg, params, tokens, mask = setup
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)  # one device, a spare core
     sampler, key = Sampler(cfg), jax.random.key(6)
     engine = Engine(sampler, slots=12, chunk=4)  # views of 12, 6 and 3 slots
     assert sampler.matmul_block == 0
     assert [sampler.matmul_block_for(rows) for rows in (12, 6, 3)] == [0, 0, 64]
-    built = []
+    built, plain = [], []  # layouts made; weak references to the plain layout's arrays
     program = engine.decode_weights_program
-    monkeypatch.setattr(
-        engine, "decode_weights_program", lambda block=None: built.append(block) or program(block)
-    )
+
+    def make(block=None):
+        def weights(params):
+            if block:  # the plain copy is dropped before the blocked one is made
+                gc.collect()
+                assert plain and all(ref() is None for ref in plain)
+            out = program(block)(params)
+            if not block:
+                plain.extend(weakref.ref(x) for x in jax.tree.leaves(out))
+            return out
+
+        built.append(block)
+        return weights
+
+    monkeypatch.setattr(engine, "decode_weights_program", make)
     budgets = np.array([12, 2, 3, 2, 2, 4])  # after one chunk, 2 rows left: 3-slot views
     ref = jax.device_get(sampler.generate(params, tokens, mask, key, GREEDY))
     out = engine.generate(params, tokens, mask, key, GREEDY, max_new_tokens=budgets)

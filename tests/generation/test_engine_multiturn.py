@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrlhf import platform
 from jaxrlhf.data.tokenizer import CharTokenizer
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
@@ -165,6 +166,56 @@ def test_multiturn_views_decode_what_the_whole_state_decodes(setup, data, tensor
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.response_mask, b.response_mask)
     np.testing.assert_array_equal(a.sequence_mask, b.sequence_mask)
+    np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
+
+
+class Slow(Counter):
+    """A Counter that takes 0.5 s per step except for the first prompt."""
+
+    def __init__(self, record):
+        super().__init__(record)
+        self.slow = record["bonus"] > 0.0
+
+    def step(self, turn):
+        if self.slow:
+            time.sleep(0.5)
+        return super().step(turn)
+
+
+def test_waiting_slots_keep_the_wide_views_weights(setup, monkeypatch):
+    """On a CPU device of two cores, few-slot views decode with weight blocks and wider ones
+    with the plain kernels. Slots waiting for their environment will decode again in a wide
+    view, so the plain layout is kept while they wait: no layout is made twice in the call,
+    and the episodes equal a whole-state run's (plain kernels throughout; log-probs to 1e-5,
+    the blocked matmul sums in another order)."""
+    cfg, params, tokens, mask = setup
+    key = jax.random.key(9)
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)  # one device, a spare core
+    sampler = Sampler(cfg)
+    assert [sampler.matmul_block_for(rows) for rows in (12, 6, 3)] == [0, 0, 64]
+    engine = Engine(sampler, slots=12, chunk=2)  # 6 rows: views of 6 and 3 slots
+    built, views = [], []
+    program, view_program = engine.decode_weights_program, engine.view_chunk_program
+    monkeypatch.setattr(
+        engine, "decode_weights_program", lambda block=None: built.append(block) or program(block)
+    )
+
+    def view(statics, prompt_len, rows, width):
+        views.append(rows)
+        return view_program(statics, prompt_len, rows, width)
+
+    monkeypatch.setattr(engine, "view_chunk_program", view)
+    out = engine.generate(params, tokens, mask, key, _sampling(), environments=_episodes(Slow))
+    ref = _engine_out(sampler, params, tokens, mask, key, slots=12, chunk=2, views=False)
+    # Some chunk decoded prompt 0's rows in a 3-slot view while the slow environments'
+    # rows waited, and a 6-slot one came after it (the waiting slots resumed).
+    assert any(a == 3 and 6 in views[i + 1 :] for i, a in enumerate(views))
+    assert sorted(built) == [0, 64]
+    a, b = out.finished, ref.finished
+    assert (a.observations > 0).sum() >= 4
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.response_mask, b.response_mask)
     np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
     np.testing.assert_array_equal(a.rewards, b.rewards)
 
