@@ -1,9 +1,12 @@
-"""bench-M's decode matmuls at a few rows: the plain ``[in, out]`` kernels against the
-64-column weight blocks (``decode.blocked_matmul``) the decode uses on CPU for a few rows
-(``platform.decode_weight_blocks``). One jitted chain of a decode step's 48 layer matmuls
-(12 layers: fused q/k/v, o, fused gate/up, down; 302 MB of float32 weights, no LM head),
-``M`` rows through it; milliseconds per chain (median of ``--reps`` calls) and the weights'
-GB/s, the layouts alternating round by round on one CPU device.
+"""bench-M's decode matmuls at a few rows, in three kernel layouts: the plain ``[in, out]``
+kernels the decode uses, the 64-column weight blocks (``decode.blocked_matmul``) it uses on
+CPU for a few rows (``platform.decode_weight_blocks``), and ``[out, in]`` (contracted on
+their last dim; the decode does not use it: an Intel Xeon VM preferred it in an earlier
+session, see benchmarks/RESULTS.md, "Decode in the model's kernel layout"). One jitted
+chain of a decode step's 48 layer matmuls (12 layers: fused q/k/v, o, fused gate/up, down;
+302 MB of float32 weights, no LM head), ``M`` rows through it; milliseconds per chain
+(median of ``--reps`` calls, per round) and the weights' GB/s, the layouts alternating
+round by round on one CPU device.
 
     python benchmarks/decode_matmuls.py --rows 1 2 4 8 32 --rounds 3
 """
@@ -11,6 +14,7 @@ GB/s, the layouts alternating round by round on one CPU device.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -28,28 +32,40 @@ from jaxrlhf.generation.decode import CPU_MATMUL_BLOCK, blocked_matmul  # noqa: 
 D, F, KV, LAYERS = 768, 2048, 256, 12  # bench-M: hidden, MLP, k and v widths, layers
 
 
-def weights(block: int) -> list[jax.Array]:
-    """The chain's kernels, ``[in, out]`` (block 0) or as blocks ``[out / b, in, b]``."""
+LAYOUTS = ("plain", "blocks", "transposed")
+
+
+def weights(layout: str) -> list[jax.Array]:
+    """The chain's kernels (the same values in every layout): ``[in, out]`` (plain), blocks
+    ``[out / b, in, b]`` or ``[out, in]`` (transposed)."""
     rng = np.random.default_rng(0)
     out = []
     for _ in range(LAYERS):
         for shape in ((D, D + 2 * KV), (D, D), (D, 2 * F), (F, D)):
             w = (0.02 * rng.standard_normal(shape)).astype(np.float32)
-            if block:
-                w = np.ascontiguousarray(w.reshape(w.shape[0], -1, block).transpose(1, 0, 2))
-            out.append(jnp.asarray(w))
+            if layout == "blocks":
+                b = CPU_MATMUL_BLOCK
+                w = w.reshape(w.shape[0], -1, b).transpose(1, 0, 2)
+            elif layout == "transposed":
+                w = w.T
+            out.append(jnp.asarray(np.ascontiguousarray(w)))
     return out
 
 
-@jax.jit
-def chain(h: jax.Array, ws: list[jax.Array]) -> jax.Array:
+def _transposed_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    return jnp.einsum("mk,nk->mn", x, kernel)  # [M, in] x [out, in] -> [M, out]
+
+
+@functools.partial(jax.jit, static_argnames="transposed")
+def chain(h: jax.Array, ws: list[jax.Array], transposed: bool = False) -> jax.Array:
     """One decode step's layer matmuls in order, residual adds between them."""
+    matmul = _transposed_matmul if transposed else blocked_matmul
     for i in range(LAYERS):
         qkv, o, gate_up, down = ws[4 * i : 4 * i + 4]
-        q = blocked_matmul(h, qkv)[:, :D]
-        h = h + blocked_matmul(q, o) * 1e-3
-        g = blocked_matmul(h, gate_up)
-        h = h + blocked_matmul(g[:, :F] * g[:, F:], down) * 1e-3
+        q = matmul(h, qkv)[:, :D]
+        h = h + matmul(q, o) * 1e-3
+        g = matmul(h, gate_up)
+        h = h + matmul(g[:, :F] * g[:, F:], down) * 1e-3
     return h
 
 
@@ -58,22 +74,24 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30, help="calls timed per round")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
-    layouts = {"plain": weights(0), "blocks": weights(CPU_MATMUL_BLOCK)}
-    megabytes = sum(w.size for w in layouts["plain"]) * 4 / 1e6
+    layouts = {name: weights(name) for name in args.layouts}
+    megabytes = sum(w.size for w in next(iter(layouts.values()))) * 4 / 1e6
     print(f"CPU {cpu_model()}, jax {jax.__version__}, {megabytes:.0f} MB of weights")
     rng = np.random.default_rng(1)
     for rows in args.rows:
         h = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
-        results = {name: chain(h, ws) for name, ws in layouts.items()}
-        np.testing.assert_allclose(results["blocks"], results["plain"], rtol=1e-4, atol=1e-5)
+        results = [chain(h, ws, name == "transposed") for name, ws in layouts.items()]
+        for other in results[1:]:  # the same products, summed in another order
+            np.testing.assert_allclose(other, results[0], rtol=1e-4, atol=1e-5)
         times: dict[str, list[float]] = {name: [] for name in layouts}
         for r in range(args.rounds):
             for name in list(layouts)[:: 1 if r % 2 else -1]:
                 calls = []
                 for _ in range(args.reps):
                     start = time.perf_counter()
-                    chain(h, layouts[name]).block_until_ready()
+                    chain(h, layouts[name], name == "transposed").block_until_ready()
                     calls.append(time.perf_counter() - start)
                 times[name].append(1e3 * statistics.median(calls))
         line = ", ".join(

@@ -8,7 +8,6 @@ apart. Run it on two checkouts one after the other to compare engine versions:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import generate as g1  # noqa: E402
+from benchmarks.g1_engine import engine_arguments  # noqa: E402
 from benchmarks.rl_long import CAP, quantile_lengths  # noqa: E402
 from jaxrlhf.generation import Sampler, SamplingParams  # noqa: E402
 from jaxrlhf.generation.engine import Engine  # noqa: E402
@@ -33,11 +33,7 @@ PROMPTS, SAMPLES, PROMPT = 8, 4, 64
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="bench-m", choices=sorted(g1.MODELS))
-    parser.add_argument("--chunk", type=int, default=16, help="engine steps per chunk")
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+    args = engine_arguments(__doc__.splitlines()[0], reps=3)
     cfg = g1.MODELS[args.model](max_position_embeddings=PROMPT + CAP)
     params = model_lib.init_params(cfg, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (PROMPTS, PROMPT))

@@ -32,12 +32,17 @@ from jaxrlhf.generation.engine import Engine  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def engine_arguments(description: str, reps: int) -> argparse.Namespace:
+    """The engine benchmarks' command line: ``--model``, ``--chunk`` and ``--reps``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="bench-m", choices=sorted(g1.MODELS))
     parser.add_argument("--chunk", type=int, default=16, help="engine steps per chunk")
-    parser.add_argument("--reps", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--reps", type=int, default=reps)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = engine_arguments(__doc__.splitlines()[0], reps=4)
     cfg = g1.MODELS[args.model]()
     params = model_lib.init_params(cfg, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (g1.BATCH, g1.PROMPT))
