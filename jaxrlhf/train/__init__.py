@@ -7,5 +7,5 @@ pieces you need: ``jaxrlhf.train.loop`` (``run``, ``build_trainer``); ``.config`
 ``Learner``); ``.sft`` / ``.reward_model`` / ``.dpo`` (the supervised objectives);
 ``.rl_programs`` / ``.rl_types`` / ``.rl_steps`` (the RL programs, their typed data, the
 update and the losses' wiring); ``.supervised`` / ``.rl_trainer`` (the trainers); ``.optim``,
-``.state``.
+``.state``; ``.cli`` (the command line, ``main(argv)``).
 """
