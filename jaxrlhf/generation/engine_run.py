@@ -137,6 +137,7 @@ class EngineRun(EpisodeSteps):
         self.finished: list[Finished] = []
         self.kept: list[int] = []
         self.generated = 0
+        self.budget_spent = False  # latched by _budget_spent
         self.chunks = 0
         self.decoding = np.zeros(engine.slots, bool)  # admitted or resumed, not yet done
         self.env: Episodes | None = None
@@ -198,8 +199,8 @@ class EngineRun(EpisodeSteps):
             self._take_carry()
         state = eng.empty_program(self.prompt_len, self.width)()
         # Each view's weight layout (by its slots per shard); each layout made on first use.
-        # A layout no later chunk can use is dropped before another is made, so the tail
-        # holds one copy of the decode weights, as the dry run plans.
+        # Before each chunk, a layout no later chunk can use is dropped (before another is
+        # made), so a tail that fits a blocked view holds one copy of the decode weights.
         blocks = {rows: eng.sampler.matmul_block_for(rows) for rows in self.row_buckets}
         weights: dict[int, Any] = {}  # matmul block -> the decode weights in that layout
 
@@ -363,8 +364,11 @@ class EngineRun(EpisodeSteps):
         return rows, width, np.concatenate(ids).astype(np.int32)
 
     def _budget_spent(self) -> bool:
-        """Whether the decoded tokens have reached the token budget (no more admissions)."""
-        return self.token_budget is not None and self.generated >= self.token_budget
+        """Whether the decoded tokens have reached the token budget: no more admissions.
+        Latched, since a stop string's cut lowers the next count of decoded tokens."""
+        if self.token_budget is not None and self.generated >= self.token_budget:
+            self.budget_spent = True
+        return self.budget_spent
 
     def _rows_bound(self) -> int:
         """The most slots per shard any later chunk can decode: every slot of a shard while a

@@ -10,6 +10,7 @@ order, so log-probs agree to 1e-5 and the tokens are identical.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax
@@ -170,19 +171,6 @@ def test_multiturn_views_decode_what_the_whole_state_decodes(setup, data, tensor
     np.testing.assert_array_equal(a.rewards, b.rewards)
 
 
-class Slow(Counter):
-    """A Counter that takes 0.5 s per step except for the first prompt."""
-
-    def __init__(self, record):
-        super().__init__(record)
-        self.slow = record["bonus"] > 0.0
-
-    def step(self, turn):
-        if self.slow:
-            time.sleep(0.5)
-        return super().step(turn)
-
-
 def test_waiting_slots_keep_the_wide_views_weights(setup, monkeypatch):
     """On a CPU device of two cores, few-slot views decode with weight blocks and wider ones
     with the plain kernels. Slots waiting for their environment will decode again in a wide
@@ -206,10 +194,30 @@ def test_waiting_slots_keep_the_wide_views_weights(setup, monkeypatch):
         return view_program(statics, prompt_len, rows, width)
 
     monkeypatch.setattr(engine, "view_chunk_program", view)
-    out = engine.generate(params, tokens, mask, key, _sampling(), environments=_episodes(Slow))
+    first_done = threading.Event()
+
+    class AfterTheFirst(Counter):
+        """Prompt 0's episodes run freely; the others' steps wait until one of them ends,
+        so their rows wait while prompt 0's decode alone, then resume together."""
+
+        def __init__(self, record):
+            super().__init__(record)
+            self.first = record["bonus"] == 0.0
+
+        def step(self, turn):
+            if not self.first:
+                first_done.wait(timeout=20.0)  # within CFG.timeout_s
+            out = super().step(turn)
+            if self.first and out.observation is None:
+                first_done.set()
+            return out
+
+    out = engine.generate(
+        params, tokens, mask, key, _sampling(), environments=_episodes(AfterTheFirst)
+    )
     ref = _engine_out(sampler, params, tokens, mask, key, slots=12, chunk=2, views=False)
-    # Some chunk decoded prompt 0's rows in a 3-slot view while the slow environments'
-    # rows waited, and a 6-slot one came after it (the waiting slots resumed).
+    # Some chunk decoded prompt 0's rows in a 3-slot view while the others' rows waited,
+    # and a 6-slot one came after it (the waiting slots resumed).
     assert any(a == 3 and 6 in views[i + 1 :] for i, a in enumerate(views))
     assert sorted(built) == [0, 64]
     a, b = out.finished, ref.finished
