@@ -31,12 +31,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Cache every program, however small or quick to compile.
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-    # A size limit (never reached) turns on the cache's file lock around each read and write.
-    # Without it an entry is written in place, and a worker compiling the same program at
-    # the same time reads it half-written: one deserialised a truncated executable and died
-    # of a segmentation fault in a full-suite run (benchmarks/RESULTS.md, "A worker's
-    # segmentation fault: the shared compilation cache read half-written").
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 40)
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
