@@ -137,7 +137,6 @@ class EngineRun(EpisodeSteps):
         self.finished: list[Finished] = []
         self.kept: list[int] = []
         self.generated = 0
-        self.budget_spent = False  # latched by _budget_spent
         self.chunks = 0
         self.decoding = np.zeros(engine.slots, bool)  # admitted or resumed, not yet done
         self.env: Episodes | None = None
@@ -183,6 +182,8 @@ class EngineRun(EpisodeSteps):
         if not 1 <= self.keep <= batch:
             raise ValueError(f"Engine: keep_groups={keep_groups} is not in [1, {batch}]")
         self.token_budget = token_budget
+        # Latched: a stop string's cut lowers the next count of decoded tokens (_harvest).
+        self.budget_spent = token_budget is not None and token_budget <= 0
         if stop_strings and decode is None:
             raise ValueError("Engine: stop_strings need a decode function")
         self.stop_strings, self.decode, self.on_finished = tuple(stop_strings), decode, on_finished
@@ -363,20 +364,13 @@ class EngineRun(EpisodeSteps):
         ids = [np.concatenate([np.flatnonzero(a), np.flatnonzero(~a)])[:rows] for a in active]
         return rows, width, np.concatenate(ids).astype(np.int32)
 
-    def _budget_spent(self) -> bool:
-        """Whether the decoded tokens have reached the token budget: no more admissions.
-        Latched, since a stop string's cut lowers the next count of decoded tokens."""
-        if self.token_budget is not None and self.generated >= self.token_budget:
-            self.budget_spent = True
-        return self.budget_spent
-
     def _rows_bound(self) -> int:
         """The most slots per shard any later chunk can decode: every slot of a shard while a
         queued prompt can still be admitted (or without views), else the smallest view
         holding the busiest shard's occupied slots, running or waiting for an environment
         (from then on a slot is only freed)."""
         local = self.row_buckets[-1]
-        if not self.engine.views or (self.queue and not self._budget_spent()):
+        if not self.engine.views or (self.queue and not self.budget_spent):
             return local
         occupied = (self.slot_group >= 0).reshape(self.engine.slot_shards, local).sum(1).max()
         return min(b for b in self.row_buckets if b >= occupied)
@@ -386,7 +380,7 @@ class EngineRun(EpisodeSteps):
         budget is spent."""
         free = np.flatnonzero(self.slot_group < 0)
         groups = min(len(free) // self.n, len(self.queue))
-        if self._budget_spent():
+        if self.budget_spent:
             groups = 0
         if groups == 0:
             return state
@@ -467,6 +461,8 @@ class EngineRun(EpisodeSteps):
         done, step = jax.device_get((state.done, state.step))
         running = self.slot_group >= 0
         self.generated = int(step[running].sum()) + self.collected_tokens
+        if self.token_budget is not None and self.generated >= self.token_budget:
+            self.budget_spent = True  # no more admissions
         decoding = running & self.decoding
         if self.stop_strings:
             done, state = self._stop_strings(state, done, decoding)
