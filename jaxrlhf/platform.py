@@ -12,11 +12,12 @@ can call it too (first thing, before any JAX computation).
   cgroup v2 quota).
 * **Decode weight blocks.** :func:`decode_weight_blocks` says whether the sampler's decode
   loop should multiply by contiguous weight blocks (``generation.decode.decode_weights``):
-  where each CPU device runs on about one core, and for a decode of at most
-  :data:`FEW_DECODE_ROWS` rows per device (the engine's tail, a small static batch) where a
-  device has at most two cores. With more cores than devices XLA:CPU splits a plain matmul
-  of many rows over several threads, which the batched matmul of the blocks does not match;
-  accelerators keep the plain kernels (blocks are unmeasured there).
+  on CPU devices of at most two cores each wherever the C++ block-matmul kernel
+  (:mod:`jaxrlhf.kernels.block_matmul`) is available (any rows); without it, where each CPU
+  device runs on about one core, and for a decode of at most :data:`FEW_DECODE_ROWS` rows
+  per device where a device has at most two cores. With more cores than devices XLA:CPU
+  splits a plain matmul of many rows over several threads, which neither blocked product
+  has been measured against; accelerators keep the plain kernels.
 * **One program in flight.** :func:`serialize_programs` waits for a tree when the mesh is
   on CPU devices (see its docstring for the deadlock it avoids).
 * **Programs in flight at once.** :func:`cpu_client_threads` / :func:`set_cpu_client_threads`:
@@ -67,7 +68,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -241,19 +242,25 @@ FEW_DECODE_ROWS = 4
 
 
 def decode_weight_blocks(
-    devices: Mesh | AbstractMesh | Sequence[Any], rows: int | None = None
+    devices: Mesh | AbstractMesh | Sequence[Any],
+    rows: int | None = None,
+    block_kernel: Callable[[], bool] | None = None,
 ) -> bool:
     """Whether a decode loop on ``devices`` (a mesh or a list of devices) multiplies by
-    contiguous weight blocks: on CPU devices that are at least as many as the process's
-    usable cores (about one core each), or, given the decode's ``rows`` per device, where
-    they are at most :data:`FEW_DECODE_ROWS` and each CPU device has at most two cores. An
-    AbstractMesh has no devices to look at and plans as an accelerator (False).
+    contiguous weight blocks. On CPU devices of at most two cores each: always where
+    ``block_kernel()`` is true (whether :mod:`jaxrlhf.kernels.block_matmul` is available;
+    called only there, as it builds the kernel on first use), else for a
+    decode of at most :data:`FEW_DECODE_ROWS` ``rows`` per device; on CPU devices at least
+    as many as the process's usable cores (about one core each): always. An AbstractMesh
+    has no devices to look at and plans as an accelerator (False).
 
-    With a few rows a decode step streams the weights from memory, and on a device of two
-    cores XLA:CPU's dot of 2-4 rows against an ``[in, out]`` kernel reads them more slowly
-    than its batched dot over contiguous column blocks, while from 8 rows on the plain dot
-    is faster (``benchmarks/decode_matmuls.py``; benchmarks/RESULTS.md, "Weight blocks for
-    the engine's few-row views"). More cores per device are unmeasured: they keep the
+    A decode step streams the weights from memory. The kernel multiplies any number of rows
+    by the blocks faster than XLA:CPU's dot against ``[in, out]`` kernels, measured from 1
+    to 32 rows on devices of two cores. Without it, XLA:CPU's dot of 2-4 rows against an
+    ``[in, out]`` kernel reads the weights more slowly than its batched dot over the blocks,
+    while from 8 rows on the plain dot is faster (``benchmarks/decode_matmuls.py``;
+    benchmarks/RESULTS.md, "Weight blocks for the engine's few-row views" and "A CPU kernel
+    for the decode's weight matmuls"). More cores per device are unmeasured: they keep the
     plain kernels."""
     if isinstance(devices, AbstractMesh):
         return False
@@ -261,8 +268,11 @@ def decode_weight_blocks(
     if any(d.platform != "cpu" for d in devices):
         return False
     cores = usable_cores()
-    if rows is not None and rows <= FEW_DECODE_ROWS and cores <= 2 * len(devices):
-        return True
+    if cores <= 2 * len(devices):
+        if rows is not None and rows <= FEW_DECODE_ROWS:
+            return True
+        if block_kernel is not None and block_kernel():
+            return True
     return len(devices) >= cores
 
 

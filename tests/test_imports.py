@@ -12,7 +12,8 @@ Layering (DESIGN.md, STYLE.md):
 * sharding, generation and data never import train;
 * data never imports models or rewards;
 * and the arrows that follow from the layering (``FORBIDDEN``): rewards sit above data,
-  models and sharding but below train; the platform module imports nothing of the package.
+  models and sharding but below train; the platform module imports nothing of the package,
+  and the kernels package nothing but itself.
 
 Importing ``jaxrlhf.a.b`` also runs ``jaxrlhf/a/__init__.py``: the graph has that edge too,
 so a cycle through a package's ``__init__`` is caught.
@@ -43,6 +44,12 @@ FORBIDDEN = {
     "jaxrlhf.rewards": ("jaxrlhf.train", "jaxrlhf.generation"),
     "jaxrlhf.platform": ("jaxrlhf.",),  # below every layer: nothing of the package
 }
+# Hand-written kernels sit below every layer too: nothing of the package but themselves.
+FORBIDDEN["jaxrlhf.kernels"] = tuple(
+    f"jaxrlhf.{p.stem}"
+    for p in PACKAGE.iterdir()
+    if p.stem not in ("kernels", "__init__") and (p.suffix == ".py" or (p / "__init__.py").exists())
+)
 LOSSES_MAY_IMPORT = {"jax", "numpy", "jaxtyping"}
 
 

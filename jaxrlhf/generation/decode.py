@@ -33,6 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation.cache import DecodeCache
+from jaxrlhf.kernels.block_matmul import block_matmul
 from jaxrlhf.models import axes
 from jaxrlhf.models.attention import (
     distinct_rope_tables,
@@ -229,16 +230,15 @@ def _blocks(
 def blocked_matmul(x: Float[Array, "R K"], kernel: jax.Array) -> Float[Array, "R N"]:
     """``x @ w`` for ``kernel`` = ``w`` ``[K, N]`` or its column blocks ``[N / b, K, b]``.
 
-    The blocked form is one batched matmul of ``x`` (broadcast) against each block: every
-    block is contiguous, so the kernel streams the weights in order. With a few rows, as in
-    decode, the weights come from memory on every step and this ordering decides the speed
-    (benchmarks/RESULTS.md).
+    The blocked form is :func:`jaxrlhf.kernels.block_matmul.block_matmul`: on CPU a C++
+    kernel that streams each contiguous block once with the rows' sums in registers (where
+    it cannot be built, and elsewhere, XLA's batched matmul over the blocks). With a few
+    rows, as in decode, the weights come from memory on every step and this decides the
+    speed (benchmarks/RESULTS.md).
     """
     if kernel.ndim == 2:
         return jnp.dot(x, kernel)
-    blocks, _, width = kernel.shape
-    out = jnp.einsum("BRK,BKJ->BRJ", jnp.broadcast_to(x, (blocks, *x.shape)), kernel)
-    return out.transpose(1, 0, 2).reshape(x.shape[0], blocks * width)
+    return block_matmul(x, kernel).reshape(x.shape[0], -1)
 
 
 def _to_blocks(layer: Params, shards: dict[str, int | None], block: int) -> Params:

@@ -64,6 +64,7 @@ from jaxrlhf.generation.cache import (
 )
 from jaxrlhf.generation.params import SamplingParams, SamplingStatics
 from jaxrlhf.generation.sampling import draw_uniforms, next_tokens
+from jaxrlhf.kernels import block_matmul
 from jaxrlhf.models import axes
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
@@ -364,7 +365,7 @@ def default_matmul_block(devices: Any, rows: int | None = None) -> int:
     or, given ``rows``, for a decode of that many rows per device (an engine view, a static
     decode): ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks`
     says weight blocks pay off there, else 0 (the kernels' own layout)."""
-    blocks = platform.decode_weight_blocks(devices, rows)
+    blocks = platform.decode_weight_blocks(devices, rows, block_matmul.available)
     return decode_lib.CPU_MATMUL_BLOCK if blocks else 0
 
 

@@ -18,6 +18,7 @@ import pytest
 from jaxrlhf import platform
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
+from jaxrlhf.kernels import block_matmul as kernel_lib
 from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.sharding import MeshConfig, make_mesh
@@ -71,14 +72,15 @@ def test_engine_samples_what_the_static_sampler_samples(setup, slots, chunk, n):
 
 
 def test_few_slot_views_decode_with_weight_blocks(setup, monkeypatch):
-    """On CPU, views of at most ``platform.FEW_DECODE_ROWS`` slots per shard (the long tail)
-    multiply by weight blocks, and wider ones keep the sampler's plain kernels: one run uses
-    both layouts and still samples what the static sampler samples (log-probs to 1e-5: the
-    blocked matmul sums in another order). With nothing left to admit, the plain layout is
-    released before the blocks are made (one copy at a time). A sampler given
-    ``matmul_block`` keeps it in every view."""
+    """On CPU without the block-matmul kernel, views of at most ``platform.FEW_DECODE_ROWS``
+    slots per shard (the long tail) multiply by weight blocks, and wider ones keep the
+    sampler's plain kernels: one run uses both layouts and still samples what the static
+    sampler samples (log-probs to 1e-5: the blocked matmul sums in another order). With
+    nothing left to admit, the plain layout is released before the blocks are made (one copy
+    at a time). A sampler given ``matmul_block`` keeps it in every view."""
     cfg, params, tokens, mask = setup
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)  # one device, a spare core
+    monkeypatch.setattr(kernel_lib, "available", lambda: False)  # XLA's layout rule
     sampler, key = Sampler(cfg), jax.random.key(6)
     engine = Engine(sampler, slots=12, chunk=4)  # views of 12, 6 and 3 slots
     assert sampler.matmul_block == 0

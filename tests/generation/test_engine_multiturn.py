@@ -24,6 +24,7 @@ from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.engine import Engine
 from jaxrlhf.generation.environment import Episode, EpisodeConfig, Episodes, Step, run_episode
 from jaxrlhf.generation.sampling import draw_uniforms, next_tokens
+from jaxrlhf.kernels import block_matmul as kernel_lib
 from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.sharding import MeshConfig, make_mesh
@@ -180,6 +181,7 @@ def test_waiting_slots_keep_the_wide_views_weights(setup, monkeypatch):
     cfg, params, tokens, mask = setup
     key = jax.random.key(9)
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)  # one device, a spare core
+    monkeypatch.setattr(kernel_lib, "available", lambda: False)  # XLA's layout rule
     sampler = Sampler(cfg)
     assert [sampler.matmul_block_for(rows) for rows in (12, 6, 3)] == [0, 0, 64]
     engine = Engine(sampler, slots=12, chunk=2)  # 6 rows: views of 6 and 3 slots

@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jaxrlhf import platform
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation.sampler import default_matmul_block
+from jaxrlhf.kernels import block_matmul as kernel_lib
 from jaxrlhf.losses import token_logprobs
 from jaxrlhf.sharding import MeshConfig, make_mesh
 from tests.generation.helpers import (
@@ -234,18 +235,21 @@ def test_weight_blocks_change_only_rounding():
 
 
 def _batched_matmuls(s: Sampler, params, tokens, mask, sampling: SamplingParams) -> int:
-    """How many of decode.blocked_matmul's batched dots the compiled decode program has."""
+    """How many of decode.blocked_matmul's products over weight blocks (the CPU kernel's
+    custom calls, or XLA's batched dots where it is off) the compiled decode program has."""
     state = s.prefill(params, tokens, mask, jax.random.key(16), sampling)
     fn = s.decode_program(sampling.static(), "scan", *tokens.shape)
     hlo = fn.lower(params, state, sampling.arrays()).compile().as_text()
-    return hlo.count("BRK,BKJ->BRJ")
+    return hlo.count("PMK,PKB->PMB") + hlo.count(f'custom_call_target="{kernel_lib.TARGET}"')
 
 
 def test_a_decode_of_a_few_rows_uses_weight_blocks(monkeypatch):
-    """A default sampler on one CPU device with a spare core (plain kernels) decodes 4 rows
-    (4 prompts) with weight blocks, as the engine's tail views do, and 8 (n = 2) with the
-    plain kernels; the 4 rows sample the plain sampler's tokens (log-probs to rounding)."""
+    """Without the block-matmul kernel, a default sampler on one CPU device with a spare
+    core (plain kernels) decodes 4 rows (4 prompts) with weight blocks, as the engine's tail
+    views do, and 8 (n = 2) with the plain kernels; the 4 rows sample the plain sampler's
+    tokens (log-probs to rounding)."""
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)
+    monkeypatch.setattr(kernel_lib, "available", lambda: False)
     cfg, params = tiny_cfg("qwen2"), tiny_params("qwen2")
     tokens, mask = prompts(cfg.vocab_size, seed=15)  # 4 prompts
     sampler, plain = Sampler(cfg), Sampler(cfg, matmul_block=0)
@@ -270,11 +274,13 @@ def test_a_decode_of_a_few_rows_uses_weight_blocks(monkeypatch):
 
 
 def test_default_matmul_block(monkeypatch):
-    """Blocks where each of the sampler's CPU devices has about one core (at least as many
-    devices as cores) or where a decode has at most 4 rows per device of at most two cores,
-    plain kernels where XLA can split a wider matmul over spare cores, and on
-    accelerators."""
+    """Without the block-matmul kernel: blocks where each of the sampler's CPU devices has
+    about one core (at least as many devices as cores) or where a decode has at most 4 rows
+    per device of at most two cores, plain kernels where XLA can split a wider matmul over
+    spare cores, and on accelerators. With it: blocks on CPU devices of at most two cores
+    at any rows."""
     cpus = jax.devices("cpu")
+    monkeypatch.setattr(kernel_lib, "available", lambda: False)
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)
     assert default_matmul_block(cpus[:1]) == 0
     if len(cpus) >= 2:
@@ -298,3 +304,12 @@ def test_default_matmul_block(monkeypatch):
 
     assert default_matmul_block([Accelerator()]) == 0
     assert default_matmul_block([Accelerator()], rows=2) == 0
+
+    monkeypatch.setattr(kernel_lib, "available", lambda: True)
+    monkeypatch.setattr(platform, "usable_cores", lambda: 2)
+    assert default_matmul_block(cpus[:1]) == 64
+    assert [default_matmul_block(cpus[:1], rows) for rows in (1, 4, 5, 32)] == [64] * 4
+    monkeypatch.setattr(platform, "usable_cores", lambda: 16)  # unmeasured: plain kernels
+    assert default_matmul_block(cpus[:1]) == 0
+    assert default_matmul_block(cpus[:1], rows=32) == 0
+    assert default_matmul_block([Accelerator()]) == 0

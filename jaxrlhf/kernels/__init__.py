@@ -1,0 +1,1 @@
+"""Hand-written XLA FFI kernels where XLA's own code is measurably slow (CPU decode matmuls)."""

@@ -1,0 +1,102 @@
+"""Compiles a C++ XLA FFI kernel of this package on first use, once per machine.
+
+The shared library is cached under ``$JAXRLHF_KERNEL_CACHE`` (default
+``~/.cache/jaxrlhf/kernels``), named by a hash of everything that changes the binary: the
+source, the compiler and its flags, jaxlib's version (its FFI headers) and the CPU's
+instruction-set flags (the code is built with ``-march=native``). A build is written to a
+temporary file and renamed into place, so processes building or loading the same library at
+once (pytest workers, a trainer's processes) never see half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax.ffi
+import jaxlib
+
+# -ffp-contract=fast: ``a += x * w`` is one fused multiply-add (the kernels' numerics).
+FLAGS = ("-O3", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC", "-w")
+# Tried in order: the host's own instruction set, then the compiler's default target.
+ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel could not be compiled (no C++ compiler, or it rejected the source)."""
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: ``$JAXRLHF_KERNEL_CACHE`` or ``~/.cache/jaxrlhf/kernels``."""
+    return Path(os.environ.get("JAXRLHF_KERNEL_CACHE", "~/.cache/jaxrlhf/kernels")).expanduser()
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else the first of ``c++``, ``g++``, ``clang++`` found."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(source: Path) -> Path:
+    """The shared library of ``source`` (a ``.cc`` file), compiled now or found in the cache.
+
+    Raises:
+      KernelBuildError: no compiler, or every ``ARCH_FLAGS`` choice failed to compile (the
+        message has the compiler's last error line).
+    """
+    cxx = compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
+    text = source.read_bytes()
+    include = jax.ffi.include_dir()
+    errors = []
+    for arch in ARCH_FLAGS:
+        flags = [*FLAGS, *arch]
+        key = hashlib.sha256(
+            b"\0".join(
+                [
+                    text,
+                    cxx.encode(),
+                    " ".join(flags).encode(),
+                    jaxlib.__version__.encode(),
+                    _cpu_flags().encode(),
+                ]
+            )
+        ).hexdigest()[:16]
+        target = cache_dir() / f"{source.stem}-{key}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
+        os.close(fd)
+        try:
+            run = subprocess.run(
+                [cxx, *flags, "-isystem", include, str(source), "-o", tmp],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if run.returncode == 0:
+                os.replace(tmp, target)
+                return target
+            lines = [line for line in run.stderr.splitlines() if line.strip()]
+            errors.append(
+                f"{' '.join(arch) or 'default target'}: {lines[-1] if lines else run.returncode}"
+            )
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise KernelBuildError(f"{cxx} could not compile {source.name} ({'; '.join(errors)})")
