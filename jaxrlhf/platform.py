@@ -15,9 +15,9 @@ can call it too (first thing, before any JAX computation).
   on CPU devices of at most two cores each wherever the C++ block-matmul kernel
   (:mod:`jaxrlhf.kernels.block_matmul`) is available (any rows); without it, where each CPU
   device runs on about one core, and for a decode of at most :data:`FEW_DECODE_ROWS` rows
-  per device where a device has at most two cores. With more cores than devices XLA:CPU
-  splits a plain matmul of many rows over several threads, which neither blocked product
-  has been measured against; accelerators keep the plain kernels.
+  per device where a device has at most two cores. Devices of more cores keep the plain
+  kernels (neither blocked product has been measured against XLA:CPU's dot on many
+  threads), and so do accelerators.
 * **One program in flight.** :func:`serialize_programs` waits for a tree when the mesh is
   on CPU devices (see its docstring for the deadlock it avoids).
 * **Programs in flight at once.** :func:`cpu_client_threads` / :func:`set_cpu_client_threads`:

@@ -128,13 +128,13 @@ def decode_weights(
       or None entry leaves that matmul unfused and unblocked. An int ``n`` means ``{"attn": n,
       "mlp": n, "head": n, "o": 1, "down": 1}``: the generation layout splits heads, MLP units and
       the vocab alike and never the hidden axis that o and down produce.
-    * With ``block`` > 0 (the sampler's default where each CPU device has about one core or
-      decodes a few rows, ``sampler.default_matmul_block``), the matmul kernels (fused q/k/v and
-      gate/up, o, down next to a fused gate/up, the LM head) become column blocks
-      ``[N / b, in, b]`` (:func:`_blocks`) that :func:`blocked_matmul` multiplies as one
-      batched matmul. A decode step multiplies a few rows by every weight, which on CPU
-      streams the weights from memory; contiguous blocks stream faster than the rows of an
-      ``[in, out]`` kernel (the G1 figures are in benchmarks/RESULTS.md).
+    * With ``block`` > 0 (the sampler's default on CPU devices of at most two cores,
+      ``sampler.default_matmul_block``), the matmul kernels (fused q/k/v and gate/up, o, down
+      next to a fused gate/up, the LM head) become column blocks ``[N / b, in, b]``
+      (:func:`_blocks`) that :func:`blocked_matmul` multiplies (the CPU block-matmul kernel,
+      or XLA's batched matmul). A decode step multiplies a few rows by every weight, which on
+      CPU streams the weights from memory; contiguous blocks stream faster than the rows of
+      an ``[in, out]`` kernel (the G1 figures are in benchmarks/RESULTS.md).
 
     Unblocked kernels keep the model's ``[in, out]`` layout (``[D, N, H]`` for ``q_kernel``,
     ``[F, D]`` for ``down_kernel``, ``[D, V]`` for ``lm_head``; ``o_kernel`` flattened to

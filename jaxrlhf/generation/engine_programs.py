@@ -176,10 +176,10 @@ class EnginePrograms:
         the weights as the decode chunks read them (per-layer trees, fused kernels, blocked
         by ``block`` columns: None is the sampler's ``matmul_block``). :meth:`generate` runs it
         once per call and layout and passes its output to every chunk; each view takes the
-        layout ``Sampler.matmul_block_for`` gives its slots per shard (on CPU the few-slot
-        views of the long tail multiply by weight blocks, which stream faster there; views
-        stop at an eighth of the slots per shard). The chunk programs take the weights in the
-        sharding this program gives them."""
+        layout ``Sampler.matmul_block_for`` gives its slots per shard (on CPU every view
+        multiplies by weight blocks where the block-matmul kernel runs, else only the
+        few-slot views of the long tail; views stop at an eighth of the slots per shard).
+        The chunk programs take the weights in the sharding this program gives them."""
         block = self.sampler.matmul_block if block is None else block
 
         def build():

@@ -360,12 +360,19 @@ def finalize(state: SamplerState, arrays: dict[str, jax.Array]) -> SampleOutput:
     )
 
 
-def default_matmul_block(devices: Any, rows: int | None = None) -> int:
+def default_matmul_block(
+    devices: Any, rows: int | None = None, compute_dtype: Any = jnp.float32
+) -> int:
     """``Sampler``'s default ``matmul_block`` for ``devices`` (a mesh or a list of devices),
     or, given ``rows``, for a decode of that many rows per device (an engine view, a static
     decode): ``decode.CPU_MATMUL_BLOCK`` where :func:`jaxrlhf.platform.decode_weight_blocks`
-    says weight blocks pay off there, else 0 (the kernels' own layout)."""
-    blocks = platform.decode_weight_blocks(devices, rows, block_matmul.available)
+    says weight blocks pay off there, else 0 (the kernels' own layout). The block-matmul
+    kernel counts only for a float32 ``compute_dtype`` (the one it multiplies)."""
+
+    def kernel() -> bool:
+        return jnp.dtype(compute_dtype) == jnp.float32 and block_matmul.available()
+
+    blocks = platform.decode_weight_blocks(devices, rows, kernel)
     return decode_lib.CPU_MATMUL_BLOCK if blocks else 0
 
 
@@ -407,7 +414,7 @@ class Sampler:
         self.min_phase_tokens = min_phase_tokens
         self._blocks_by_rows = matmul_block is None  # the platform's choice, per decode
         if matmul_block is None:
-            matmul_block = default_matmul_block(self.devices)
+            matmul_block = default_matmul_block(self.devices, None, cfg.compute_dtype)
         if matmul_block < 0:
             raise ValueError(f"matmul_block={matmul_block} must be >= 0")
         self.matmul_block = matmul_block
@@ -436,7 +443,7 @@ class Sampler:
         its sample rows (prompts x ``n``) per device."""
         if not self._blocks_by_rows:
             return self.matmul_block
-        return default_matmul_block(self.devices, rows)
+        return default_matmul_block(self.devices, rows, self.cfg.compute_dtype)
 
     # -- layouts and memory --------------------------------------------------------------
 

@@ -7,8 +7,10 @@
 // decode's weight matmuls").
 //
 // Numerics: every output element is the sum over k = 0 .. K-1, in that order, of
-// x[m, k] * w[k, n], one fused multiply-add per term (-ffp-contract=fast), whatever M is
-// and whichever rows share a tile, so a row's result never depends on the other rows.
+// x[m, k] * w[k, n] (one fused multiply-add per term where the target has FMA, which
+// -ffp-contract=fast lets the compiler use; a multiply and an add where it has not),
+// whatever M is and whichever rows share a tile, so a row's result never depends on the
+// other rows.
 //
 // Built on first use by jaxrlhf/kernels/build.py (c++ -O3 -march=native); registered with
 // XLA as the FFI target "jaxrlhf_block_matmul" by jaxrlhf/kernels/block_matmul.py.
@@ -29,8 +31,10 @@ namespace {
 constexpr int kLanes = 16, kMaxVectors = 4;  // 32 vector registers
 #elif defined(__AVX__)
 constexpr int kLanes = 8, kMaxVectors = 2;   // 16 vector registers
+#elif defined(__SSE2__)
+constexpr int kLanes = 4, kMaxVectors = 2;   // 16 vector registers
 #else
-constexpr int kLanes = 4, kMaxVectors = 4;
+constexpr int kLanes = 4, kMaxVectors = 4;   // e.g. NEON: 32 vector registers
 #endif
 constexpr int kMaxRows = 6;
 

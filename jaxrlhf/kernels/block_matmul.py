@@ -8,7 +8,12 @@ keeps the rows' sums in registers; on other platforms, or where the kernel canno
 it is XLA's einsum of the same blocks. It partitions like the einsum on any mesh (rows,
 blocks or the contracted axis sharded; the last with a ``psum``).
 
-``JAXRLHF_CPU_KERNELS=0`` in the environment (read once per process) turns the kernel off.
+``JAXRLHF_CPU_KERNELS=0`` in the environment (read once per process) turns the kernel off;
+``JAXRLHF_KERNEL_CACHE`` says where built kernels live (:func:`build.cache_dir`).
+
+The product is for inference: it has no gradient and no batching rule (``jax.grad`` and
+``jax.vmap`` of it raise NotImplementedError), and inside ``jax.shard_map`` it needs
+``check_vma=False``. The decode loop uses it under ``jax.jit`` only.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def unavailable_reason() -> str | None:
         warnings.warn(
             f"jaxrlhf: CPU decode matmuls use XLA's dot, the block-matmul kernel is "
             f"unavailable: {e}",
-            stacklevel=2,
+            stacklevel=3,
         )
         return str(e)
     return None
@@ -122,6 +127,7 @@ _partitioned.def_partition(
     infer_sharding_from_operands=_infer,
     partition=_partition,
     sharding_rule="m k, p k b -> m p b",
+    reduction_factors=("k",),
 )
 
 
@@ -139,6 +145,7 @@ def block_matmul(x: Float[Array, "M K"], blocks: Float[Array, "P K B"]) -> Float
         )
     if x.dtype != jnp.float32 or blocks.dtype != jnp.float32 or blocks.shape[2] % 16:
         return einsum_block_matmul(x, blocks)
-    if not available():
+    # A non-CPU default backend never builds the kernel (its programs would not use it).
+    if jax.default_backend() != "cpu" or not available():
         return einsum_block_matmul(x, blocks)
     return _partitioned(x, blocks)

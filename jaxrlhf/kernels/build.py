@@ -27,6 +27,15 @@ FLAGS = ("-O3", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC", "-w")
 ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
 
 
+BUILD_TIMEOUT_S = 600
+
+
+def first_error(stderr: str) -> str:
+    """The compiler's first line naming an error (else its first line), stripped."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+
+
 class KernelBuildError(RuntimeError):
     """A kernel could not be compiled (no C++ compiler, or it rejected the source)."""
 
@@ -79,23 +88,30 @@ def build(source: Path) -> Path:
         target = cache_dir() / f"{source.stem}-{key}.so"
         if target.exists():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
+        except OSError as e:
+            raise KernelBuildError(
+                f"cannot write the kernel cache {target.parent} ({e.strerror}; set "
+                "JAXRLHF_KERNEL_CACHE to a writable directory)"
+            ) from e
         os.close(fd)
         try:
-            run = subprocess.run(
-                [cxx, *flags, "-isystem", include, str(source), "-o", tmp],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            try:
+                run = subprocess.run(
+                    [cxx, *flags, "-isystem", include, str(source), "-o", tmp],
+                    capture_output=True,
+                    text=True,
+                    timeout=BUILD_TIMEOUT_S,
+                )
+            except (OSError, subprocess.SubprocessError) as e:  # e.g. the timeout
+                raise KernelBuildError(f"{cxx} could not compile {source.name}: {e}") from e
             if run.returncode == 0:
+                os.chmod(tmp, 0o755)  # mkstemp makes it private; others may share the cache
                 os.replace(tmp, target)
                 return target
-            lines = [line for line in run.stderr.splitlines() if line.strip()]
-            errors.append(
-                f"{' '.join(arch) or 'default target'}: {lines[-1] if lines else run.returncode}"
-            )
+            errors.append(f"{' '.join(arch) or 'default target'}: {first_error(run.stderr)}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -10,6 +10,7 @@ orders, which moves logits by ~1e-6 here (logits ~1-10); that is the only differ
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, Mesh
@@ -309,6 +310,9 @@ def test_default_matmul_block(monkeypatch):
     monkeypatch.setattr(platform, "usable_cores", lambda: 2)
     assert default_matmul_block(cpus[:1]) == 64
     assert [default_matmul_block(cpus[:1], rows) for rows in (1, 4, 5, 32)] == [64] * 4
+    # The kernel multiplies float32 only: bfloat16 keeps XLA's rule (blocks to 4 rows).
+    bf16 = [default_matmul_block(cpus[:1], rows, jnp.bfloat16) for rows in (4, 5, None)]
+    assert bf16 == [64, 0, 0]
     monkeypatch.setattr(platform, "usable_cores", lambda: 16)  # unmeasured: plain kernels
     assert default_matmul_block(cpus[:1]) == 0
     assert default_matmul_block(cpus[:1], rows=32) == 0

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.generation import decode as decode_lib
 from jaxrlhf.generation.cache import abstract_cache, cache_nbytes
+from jaxrlhf.kernels import block_matmul as kernel_lib
 from jaxrlhf.sharding import GENERATE, TRAIN, MeshConfig, make_mesh, reshard
 from jaxrlhf.sharding.model_sharding import param_shardings
 from tests.generation.helpers import prompts, sampler, tiny_cfg, tiny_params
@@ -27,8 +28,18 @@ BATCH = ("data", "fsdp")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, n=2)
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)], ids=["2x2x2", "1x2x4"])
-def test_sharded_greedy_equals_single_device(shape):
+@pytest.mark.parametrize(
+    "shape,kernel",
+    [((2, 2, 2), True), ((1, 2, 4), True), ((2, 2, 2), False)],
+    ids=["2x2x2", "1x2x4", "2x2x2-xla-blocks"],
+)
+def test_sharded_greedy_equals_single_device(shape, kernel, monkeypatch):
+    """Greedy tokens of a sampler on a mesh equal one device's, log-probs within 1e-5 (the
+    sharded matmuls sum in another order), with the weight blocks multiplied by the CPU
+    block-matmul kernel (partitioned per device) and, with it off, by XLA's batched
+    matmul."""
+    if not kernel:
+        monkeypatch.setattr(kernel_lib, "available", lambda: False)
     cfg, host_params = tiny_cfg("llama"), tiny_params("llama")  # 2 kv heads
     tokens, mask = prompts(cfg.vocab_size, seed=11)  # 4 prompts -> 8 rows
     ref = sampler("llama").generate(host_params, tokens, mask, jax.random.key(0), GREEDY)
@@ -61,6 +72,9 @@ def test_sharded_greedy_equals_single_device(shape):
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.cache))
     assert held == total // shards
 
+    hlo = s.decode_program(GREEDY.static(), "scan", *tokens.shape)
+    hlo = hlo.lower(params, state, GREEDY.arrays()).compile().as_text()
+    assert (f'custom_call_target="{kernel_lib.TARGET}"' in hlo) == kernel_lib.available()
     _, out = s.decode(params, state, GREEDY)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(

@@ -111,12 +111,15 @@ def test_partitions_like_the_einsum(x_spec, w_spec):
 
 
 def test_build_caches_and_reports_errors(tmp_path, monkeypatch):
-    """A build lands in the cache once (a second call compiles nothing); a source that does
-    not compile, or no compiler, is a one-line KernelBuildError."""
+    """A build lands in the cache once (a second call compiles nothing) and readable by
+    others; a source that does not compile (the message has the compiler's error), a
+    compiler past its time limit, an unwritable cache, or no compiler, is a one-line
+    KernelBuildError."""
     monkeypatch.setenv("JAXRLHF_KERNEL_CACHE", str(tmp_path / "cache"))
     library = build.build(bm.SOURCE)
     assert library.parent == tmp_path / "cache"
     stamp = os.stat(library).st_mtime_ns
+    assert os.stat(library).st_mode & 0o777 == 0o755
     assert build.build(bm.SOURCE) == library and os.stat(library).st_mtime_ns == stamp
     assert [p.name for p in library.parent.iterdir()] == [library.name]  # no temporary left
 
@@ -124,7 +127,16 @@ def test_build_caches_and_reports_errors(tmp_path, monkeypatch):
     broken.write_text("int f( {\n")
     with pytest.raises(build.KernelBuildError, match="could not compile broken.cc") as e:
         build.build(broken)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "error" in str(e.value)  # the compiler's error line
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 1e-3)  # a compiler that hangs
+    monkeypatch.setenv("JAXRLHF_KERNEL_CACHE", str(tmp_path / "other"))
+    with pytest.raises(build.KernelBuildError, match="timed out"):
+        build.build(bm.SOURCE)
+    unwritable = tmp_path / "file"
+    unwritable.write_text("")
+    monkeypatch.setenv("JAXRLHF_KERNEL_CACHE", str(unwritable / "cache"))
+    with pytest.raises(build.KernelBuildError, match="cannot write the kernel cache"):
+        build.build(bm.SOURCE)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(build.KernelBuildError, match="no C\\+\\+ compiler"):
         build.build(bm.SOURCE)
