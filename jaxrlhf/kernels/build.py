@@ -63,8 +63,9 @@ def build(source: Path) -> Path:
     """The shared library of ``source`` (a ``.cc`` file), compiled now or found in the cache.
 
     Raises:
-      KernelBuildError: no compiler, or every ``ARCH_FLAGS`` choice failed to compile (the
-        message has the compiler's last error line).
+      KernelBuildError: no compiler; every ``ARCH_FLAGS`` choice failed to compile (the
+        message has the compiler's first error line); the compiler ran past
+        ``BUILD_TIMEOUT_S`` or could not start; or the cache directory is not writable.
     """
     cxx = compiler()
     if cxx is None:
