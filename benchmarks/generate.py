@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 
 from jaxrlhf import platform as jaxrlhf_platform  # noqa: E402
 from jaxrlhf.generation import Sampler, SamplingParams  # noqa: E402
+from jaxrlhf.generation.decode import CPU_MATMUL_BLOCK  # noqa: E402
 from jaxrlhf.kernels import block_matmul  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
@@ -109,8 +110,8 @@ def matmul_rate(m: int, k: int, n: int, reps: int) -> float:
     def normal(*shape: int) -> jax.Array:
         return jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
 
-    def blocks(w: jax.Array) -> jax.Array:  # [in, out] -> [out / 64, in, 64]
-        return w.reshape(w.shape[0], -1, 64).transpose(1, 0, 2)
+    def blocks(w: jax.Array) -> jax.Array:  # [in, out] -> [out / b, in, b]
+        return w.reshape(w.shape[0], -1, CPU_MATMUL_BLOCK).transpose(1, 0, 2)
 
     def block_chain(x, a, b):
         def two(i, h):
@@ -132,7 +133,7 @@ def matmul_rate(m: int, k: int, n: int, reps: int) -> float:
         (in_out, (x, normal(k, n), normal(n, k))),
         (out_in, (x, normal(n, k), normal(k, n))),
     ]
-    if block_matmul.available() and n % 64 == 0 and k % 64 == 0:
+    if block_matmul.available() and n % CPU_MATMUL_BLOCK == 0 and k % CPU_MATMUL_BLOCK == 0:
         candidates.append((jax.jit(block_chain), (x, blocks(normal(k, n)), blocks(normal(n, k)))))
     best = float("inf")
     for fn, args in candidates:
