@@ -1,10 +1,12 @@
 """Workload R1-long: the R1 GRPO step (benchmarks/rl_step.py) with G2's long-tailed response
 lengths, the static sampler against the rollout engine with streamed scoring.
 
-Three paths: ``static unpacked`` (the step before issue 19: the static scan sampler, and
+Four paths: ``static unpacked`` (the step before issue 19: the static scan sampler, and
 scoring and the update on rows padded to ``max_new_tokens``), ``static`` (the same sampler,
-then scoring and the update on the samples' real lengths, ``rollout.pack_sequences``) and
-``engine+stream`` (the rollout engine, scoring streamed while the tail decodes, packed).
+then scoring and the update on the samples' real lengths, ``rollout.pack_sequences``),
+``engine+stream`` (the rollout engine, each batch of finished groups scored on a background
+thread while the tail decodes, packed) and ``engine+stream serial`` (the same, each batch
+scored between decode chunks: ``rollout.stream_concurrent: false``).
 
 R1 (8 prompts x 4 samples, 64 random prompt tokens, a cheap programmatic reward, reference
 log-probs, one AdamW update over the 32 rows, KL 0.04) with ``max_new_tokens`` 512 and the
@@ -54,6 +56,15 @@ ENGINES = {
         "slots": ROWS,
         "chunk_tokens": 16,
         "stream_scoring": True,
+    },
+    # The same, each streamed batch scored between decode chunks on the engine's thread
+    # instead of on a background thread beside the decode (rollout.stream_concurrent).
+    "engine+stream serial": {
+        "engine": "continuous",
+        "slots": ROWS,
+        "chunk_tokens": 16,
+        "stream_scoring": True,
+        "stream_concurrent": False,
     },
 }
 
@@ -163,7 +174,15 @@ def main() -> None:
         f"# R1-long lengths: median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, max "
         f"{lengths.max()}, {(lengths == CAP).sum()} at {CAP}; {lengths.sum()} tokens"
     )
-    phases = ("reshard", "generate", "score_streamed", "reward", "score", "train")
+    phases = (
+        "reshard",
+        "generate",
+        "score_streamed",
+        "score_streamed_wait",
+        "reward",
+        "score",
+        "train",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             trainers = {}

@@ -261,12 +261,15 @@ class Planner:
         passed: Sequence[str],
         runs: float = 1.0,
         group: str = "",
+        beside_bytes: int = 0,
     ) -> Any:
         """Lowers and compiles ``jitted(*args)``; records its memory; returns the executable.
 
         ``live``: the trees alive meanwhile, counted on the devices the program spans only
         (a placement's other groups hold theirs elsewhere); ``passed``: those among
-        ``args``; ``runs``, ``group``: :attr:`ProgramMemory.runs`, :attr:`ProgramMemory.group`.
+        ``args``; ``runs``, ``group``: :attr:`ProgramMemory.runs`, :attr:`ProgramMemory.group`;
+        ``beside_bytes``: per device, what another program in flight at once allocates for
+        itself there (its outputs and temporaries), counted as resident.
         """
         start = time.perf_counter()
         try:
@@ -286,7 +289,7 @@ class Planner:
                 output_bytes=int(m.output_size_in_bytes),
                 alias_bytes=int(m.alias_size_in_bytes),
                 temp_bytes=int(m.temp_size_in_bytes),
-                resident_bytes=max(0, state - self.nbytes(*passed, on=on)),
+                resident_bytes=max(0, state - self.nbytes(*passed, on=on)) + beside_bytes,
                 state_bytes=state,
                 compile_s=time.perf_counter() - start,
                 cost=program_cost(compiled, max(1, len(on))),

@@ -27,7 +27,7 @@ from jaxrlhf.sharding.reshard import bytes_received
 from jaxrlhf.train.dry_run_phases import EngineLayout, Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
-from jaxrlhf.train.rl_stream import stream_rows
+from jaxrlhf.train.rl_stream import concurrency_blocker, stream_rows
 from jaxrlhf.train.rl_types import LearnerBatch
 from jaxrlhf.train.state import create_state, state_shardings
 
@@ -390,12 +390,28 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     its decode weights and the sampler's copy of the policy are alive, and the forwards of
     the micro-batches scored before it (whole micro-batches, all but the last) are held:
     compiled at the streamed micro-batch's rows, unpacked (its most memory), with all that
-    counted on the devices it shares with them. Memory only: their time is the scoring
-    phase's already (``runs=0``). (An interleaved critic's values are scored on its group
-    after the rollout: ``models`` has no value params then.)"""
+    counted on the devices it shares with them. Scored on a background thread
+    (``rollout.stream_concurrent``, where the run would), it runs beside the engine, so
+    the engine's own outputs and temporaries (its largest program's: an admission or a
+    chunk) are counted too where their devices meet.
+    Memory only: their time is the scoring phase's already (``runs=0``). (An interleaved
+    critic's values are scored on its group after the rollout: ``models`` has no value
+    params then.)"""
     r = programs.algo.rollout
     if programs.engine is None or not r.stream_scoring or r.environment is not None:
         return
+    beside = 0
+    shared = set(pl.generate_mesh.devices.flat) & set(programs.mesh.devices.flat)
+    if (
+        r.stream_concurrent
+        and shared
+        and concurrency_blocker(pl.generate_mesh, programs.mesh) is None
+    ):
+        beside = max(
+            p.output_bytes - p.alias_bytes + p.temp_bytes
+            for p in pl.programs
+            if p.phase == "generate" and p.name != "decode weights"  # its output is live
+        )
     (policy_params, ref_params, value_params), passed = models
     length = pl.cfg.data.max_prompt_length + r.max_new_tokens
     shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
@@ -430,6 +446,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
             live=live,
             passed=["reward.params"],
             runs=0,
+            beside_bytes=beside,
         )
     pl.compile(
         "score",
@@ -439,6 +456,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
         live=live,
         passed=passed,
         runs=0,
+        beside_bytes=beside,
     )
 
 

@@ -19,14 +19,18 @@ rows), or leaves it unpacked where packing would run more slots.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from concurrent import futures
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jaxrlhf import platform
 from jaxrlhf.generation.sampler import SampleOutput
 from jaxrlhf.generation.slots import Finished
 from jaxrlhf.train.rl_packing import PhasePlan, streamed_score_metrics
@@ -49,6 +53,28 @@ def with_prompts(finished: Finished, prompts: dict[str, np.ndarray], n: int) -> 
     )
 
 
+def concurrency_blocker(engine_mesh: Mesh, scoring_mesh: Mesh) -> str | None:
+    """Why streamed micro-batches cannot be scored on a background thread beside the engine
+    whose programs run on ``engine_mesh`` (scoring's on ``scoring_mesh``), in a few words;
+    None when they can.
+
+    Processes launch multi-process programs in one order, which two threads would not keep.
+    On CPU devices two programs in flight at once must fit the XLA:CPU client's pool
+    (``jaxrlhf.platform.concurrent_programs_fit``).
+    """
+    if jax.process_count() > 1:
+        return f"{jax.process_count()} processes must launch their programs in one order"
+    sizes = (engine_mesh.size, scoring_mesh.size)
+    if engine_mesh.devices.flat[0].platform != "cpu" or platform.concurrent_programs_fit(*sizes):
+        return None
+    need = 2 * sum(sizes)
+    return (
+        f"programs on {sizes[0]} and {sizes[1]} CPU devices at once need {need} XLA:CPU "
+        f"client threads, this process has {platform.cpu_client_threads()} (set "
+        f"{platform.CLIENT_THREADS_ENV}={need} before JAX starts)"
+    )
+
+
 def stream_rows(rows: int, group: int, shards: int) -> int:
     """Rows per streamed micro-batch: whole groups over whole data shards, about a quarter of
     the rollout (so scoring starts once a quarter has finished)."""
@@ -56,90 +82,177 @@ def stream_rows(rows: int, group: int, shards: int) -> int:
     return min(rows, unit * max(1, math.ceil(rows / (4 * unit))))
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoredPiece:
+    """One streamed micro-batch, scored: its rollout rows (padding: -1), each kept row's
+    ``(raw, task)`` score, its scoring forwards, its packing (None: unpacked) and its
+    ``(slots, tokens)`` unpacked."""
+
+    rows: np.ndarray
+    scores: dict[int, tuple[float, float | None]]
+    forwards: Scored
+    plan: PhasePlan | None
+    unpacked: tuple[float, float]
+
+
 class StreamedScoring:
     """Rewards and scoring forwards of finished groups, micro-batch by micro-batch.
+
+    Each full micro-batch is scored on a background thread (``concurrent``), so the engine's
+    thread goes on decoding while it runs, or else on the calling thread between decode
+    chunks. One background thread scores the micro-batches one after another, in the order
+    they filled; an error it raises is raised by the next :meth:`add` or by :meth:`close`.
 
     Args:
       trainer: the ``rl_trainer.RLTrainer`` (its programs, parameters and ``row_scores``).
       prompts: the iteration's prompt batch (``tokens``/``mask`` [B, P], record ``index``).
       micro_rows: rows per micro-batch (:func:`stream_rows`).
+      concurrent: score on a background thread (the caller has checked that the scoring's
+        and the engine's programs may be in flight together).
+
+    Attributes:
+      seconds: time spent scoring, on whichever thread.
+      wait_seconds: time the calling thread spent scoring or waiting for the background
+        thread (all of ``seconds`` when not concurrent).
     """
 
-    def __init__(self, trainer: Any, prompts: dict[str, np.ndarray], micro_rows: int):
+    def __init__(
+        self,
+        trainer: Any,
+        prompts: dict[str, np.ndarray],
+        micro_rows: int,
+        concurrent: bool = False,
+    ):
         self.trainer, self.prompts, self.micro_rows = trainer, prompts, micro_rows
         self.n = trainer.algo.rollout.num_samples
         self.waiting: list[Finished] = []
-        self.rows: list[np.ndarray] = []  # each scored micro-batch's rows (padding: -1)
-        self.forwards: list[Scored] = []
-        self.scores: dict[int, tuple[float, float | None]] = {}  # row -> (raw, task)
-        self.plans: list[PhasePlan | None] = []  # each micro-batch's packing (None: unpacked)
-        self.unpacked: list[tuple[float, float]] = []  # its (slots, tokens) unpacked
+        self.pieces: list[ScoredPiece] = []
+        self.pending: list[futures.Future] = []  # the background thread's, in order
+        self.executor = (
+            futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrlhf-stream-score")
+            if concurrent
+            else None
+        )
         self.seconds = 0.0
+        self.wait_seconds = 0.0
+
+    @property
+    def concurrent(self) -> bool:
+        return self.executor is not None
 
     def add(self, finished: Finished) -> None:
-        """Takes newly finished groups; scores every full micro-batch now."""
+        """Takes newly finished groups; starts scoring every full micro-batch."""
+        self._raise_failed()
         self.waiting.append(finished)
         while sum(len(f.rows) for f in self.waiting) >= self.micro_rows:
-            self._score_next()
+            self._submit(self._take())
 
     def close(self) -> None:
-        """Scores what is left (a last, padded micro-batch)."""
-        while self.waiting:
-            self._score_next()
-
-    def _score_next(self) -> None:
+        """Scores what is left (a last, padded micro-batch) and waits for every piece."""
         start = time.perf_counter()
+        try:
+            while self.waiting:
+                self._submit(self._take())
+            for future in self.pending:
+                self.pieces.append(future.result())
+        finally:
+            self.cancel()
+            self.wait_seconds += time.perf_counter() - start
+
+    def cancel(self) -> None:
+        """Drops the micro-batches not started and waits for the one running, so that no
+        thread touches the trainer after this returns. Idempotent."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        self.pending = []
+
+    def _raise_failed(self) -> None:
+        for future in self.pending:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                future.result()
+
+    def _take(self) -> tuple[Finished, int]:
+        """The next micro-batch off the waiting groups, padded to ``micro_rows`` rows by
+        repeating its rows (whole groups: their outputs are dropped), and its real rows."""
         merged = jax.tree.map(lambda *xs: np.concatenate(xs), *self.waiting)
-        take, rest = merged.rows[: self.micro_rows], len(merged.rows) - self.micro_rows
+        take = min(self.micro_rows, len(merged.rows))
         batch = jax.tree.map(lambda x: x[: self.micro_rows], merged)
+        rest = len(merged.rows) - take
         self.waiting = [jax.tree.map(lambda x: x[self.micro_rows :], merged)] if rest > 0 else []
-        pad = self.micro_rows - len(take)
-        if pad:  # repeat its rows (whole groups) to the full size: their outputs are dropped
-            fill = np.arange(pad) % len(take)
+        pad = self.micro_rows - take
+        if pad:
+            fill = np.arange(pad) % take
             batch = jax.tree.map(lambda x: np.concatenate([x, x[fill]]), batch)
+        return batch, take
+
+    def _submit(self, work: tuple[Finished, int]) -> None:
+        if self.executor is not None:
+            self.pending.append(self.executor.submit(self._score, *work))
+            return
+        start = time.perf_counter()
+        self.pieces.append(self._score(*work))
+        self.wait_seconds += time.perf_counter() - start
+
+    def _score(self, batch: Finished, take: int) -> ScoredPiece:
+        start, t_start = time.perf_counter(), self.trainer.timeline.now()
         out = with_prompts(batch, self.prompts, self.n)
         rows = batch.rows.copy()
-        rows[len(take) :] = -1
+        rows[take:] = -1
         trainer = self.trainer
         tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
         mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
         index = self.prompts["index"][batch.rows // self.n]
         task, raw = trainer.row_scores(out, tokens, mask, index)
-        for i, row in enumerate(rows[rows >= 0]):
-            self.scores[int(row)] = (float(raw[i]), None if task is None else float(task[i]))
+        scores = {
+            int(row): (float(raw[i]), None if task is None else float(task[i]))
+            for i, row in enumerate(rows[:take])
+        }
         response = np.concatenate([np.zeros_like(out.prompt_mask), out.response_mask], axis=1)
         programs = trainer.programs
         plan = programs.planner.score(tokens, mask)
-        self.plans.append(plan)
-        self.unpacked.append(programs.planner.unpacked_score_pass(mask))
         device_rows = RolloutRows(
             tokens=tokens, mask=mask, response_mask=response, packing=plan and plan.packing
         )
-        self.forwards.append(
-            programs.score_forwards(
-                trainer.policy_params,
-                trainer.ref_params,
-                # interleaved: the critic's values are scored on its mesh after the rollout
-                None if programs.critic_mesh is not None else trainer.value_params,
-                programs.put_rows(device_rows),
-                plan and plan.rows,
-            )
+        forwards = programs.score_forwards(
+            trainer.policy_params,
+            trainer.ref_params,
+            # interleaved: the critic's values are scored on its mesh after the rollout
+            None if programs.critic_mesh is not None else trainer.value_params,
+            programs.put_rows(device_rows),
+            plan and plan.rows,
         )
-        self.rows.append(rows)
+        if self.concurrent:  # its time is this thread's: wait here, not in the engine's thread
+            forwards = jax.block_until_ready(forwards)
         self.seconds += time.perf_counter() - start
+        trainer.timeline.record(
+            "score", "learner", trainer.steps_done, t_start, trainer.timeline.now()
+        )
+        return ScoredPiece(
+            rows=rows,
+            scores=scores,
+            forwards=forwards,
+            plan=plan,
+            unpacked=programs.planner.unpacked_score_pass(mask),
+        )
 
     def packing_metrics(self) -> dict[str, float]:
         """``packing/score_*`` of the streamed micro-batches (empty when none packed)."""
-        return streamed_score_metrics(self.plans, self.unpacked)
+        return streamed_score_metrics(
+            [p.plan for p in self.pieces], [p.unpacked for p in self.pieces]
+        )
 
     def result(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, Scored]:
         """``(raw scores [N], task scores [N] or None, forwards [N, T])`` of ``rows`` (the
-        kept rows, in the rollout's order)."""
-        raw = np.asarray([self.scores[int(r)][0] for r in rows], np.float32)
-        task = [self.scores[int(r)][1] for r in rows]
+        kept rows, in the rollout's order), after :meth:`close`."""
+        scores = {r: s for p in self.pieces for r, s in p.scores.items()}
+        raw = np.asarray([scores[int(r)][0] for r in rows], np.float32)
+        task = [scores[int(r)][1] for r in rows]
         task = None if task[0] is None else np.asarray(task, np.float32)
-        where = {int(r): i for i, r in enumerate(np.concatenate(self.rows)) if r >= 0}
+        scored = np.concatenate([p.rows for p in self.pieces])
+        where = {int(r): i for i, r in enumerate(scored) if r >= 0}
         order = jnp.asarray([where[int(r)] for r in rows])
-        forwards = jax.tree.map(lambda *xs: jnp.concatenate(xs)[order], *self.forwards)
+        forwards = jax.tree.map(
+            lambda *xs: jnp.concatenate(xs)[order], *(p.forwards for p in self.pieces)
+        )
         placed = jax.tree.map(lambda _: self.trainer.programs.rows(2), forwards)
         return raw, task, jax.device_put(forwards, placed)

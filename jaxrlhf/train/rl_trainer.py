@@ -78,7 +78,12 @@ from jaxrlhf.train.rl_setup import (
     reward_model_config,
     reward_model_params,
 )
-from jaxrlhf.train.rl_stream import StreamedScoring, stream_rows, with_prompts
+from jaxrlhf.train.rl_stream import (
+    StreamedScoring,
+    concurrency_blocker,
+    stream_rows,
+    with_prompts,
+)
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
 from jaxrlhf.train.state import TrainState
 from jaxrlhf.train.timeline import Timeline
@@ -161,6 +166,7 @@ class RLTrainer:
             groups["reference"] = tuple(int(d.id) for d in ref_mesh.devices.flat)
             in_flight["placement.reference_group"] = ref_mesh
         check_concurrency(in_flight)
+        self.stream_blocker = self._stream_blocker()
         self.timeline = Timeline(groups)
         self.producer = RolloutProducer(
             self,
@@ -169,6 +175,22 @@ class RLTrainer:
             drain_every=self.cfg.checkpoint.every,
             timeline=self.timeline,
         )
+
+    def _stream_blocker(self) -> str | None:
+        """Why streamed scoring runs between decode chunks, not on a background thread
+        (``rollout.stream_concurrent``); warns once when the config asked for the thread."""
+        r = self.algo.rollout
+        if self.programs.engine is None or not r.stream_scoring or r.environment is not None:
+            return "no streamed scoring"
+        if not r.stream_concurrent:
+            return "rollout.stream_concurrent: false"
+        blocker = concurrency_blocker(self.sampler.mesh, self.mesh)
+        if blocker is not None:
+            logger.warning(
+                "rollout.stream_concurrent: streamed batches are scored between decode chunks: %s",
+                blocker,
+            )
+        return blocker
 
     log_window = 1  # every iteration is a row of metrics.jsonl
     summary_keys = rl_metrics.SUMMARY_KEYS
@@ -350,24 +372,30 @@ class RLTrainer:
         if r.stream_scoring and self.env_factory is None:
             shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
             micro = stream_rows(r.rows, r.num_samples, shards)
-            stream = StreamedScoring(self, prompts, micro)
+            stream = StreamedScoring(self, prompts, micro, self.stream_blocker is None)
+            timings["rollout/stream_concurrent"] = float(stream.concurrent)
         start = time.perf_counter()
-        out = programs.engine.generate(
-            gen_params,
-            prompts["tokens"][skip:],  # the engine puts the carried prompts first itself
-            prompts["mask"][skip:],
-            key,
-            programs.sampling,
-            keep_groups=r.prompts_per_step,
-            token_budget=r.token_budget,
-            stop_strings=r.stop_strings,
-            decode=self.tokenizer.decode,
-            on_finished=None if stream is None else stream.add,
-            environments=self._episodes(prompts),
-            carry=carry,
-            keep_partials=r.partial_rollouts,
-            version=version,
-        )
+        try:
+            out = programs.engine.generate(
+                gen_params,
+                prompts["tokens"][skip:],  # the engine puts the carried prompts first itself
+                prompts["mask"][skip:],
+                key,
+                programs.sampling,
+                keep_groups=r.prompts_per_step,
+                token_budget=r.token_budget,
+                stop_strings=r.stop_strings,
+                decode=self.tokenizer.decode,
+                on_finished=None if stream is None else stream.add,
+                environments=self._episodes(prompts),
+                carry=carry,
+                keep_partials=r.partial_rollouts,
+                version=version,
+            )
+        except BaseException:
+            if stream is not None:
+                stream.cancel()  # no scoring thread outlives the failed rollout
+            raise
         del gen_params
         if r.partial_rollouts:  # the engine numbers its groups over ``prompts``: map them back
             self.partials = out.partials and dataclasses.replace(
@@ -403,8 +431,9 @@ class RLTrainer:
         else:
             scores, task_scores, forwards = stream.result(rows)
             timings["time/score_streamed_s"] = stream.seconds
+            timings["time/score_streamed_wait_s"] = stream.wait_seconds
             timings.update(stream.packing_metrics())
-            timings["time/generate_s"] -= stream.seconds
+            timings["time/generate_s"] -= stream.wait_seconds
         rollout = self._as_rollout(sample, scores, task_scores)
         timings["time/reward_s"] = time.perf_counter() - start
         return rollout, timings, forwards

@@ -1,0 +1,151 @@
+"""Streamed scoring on a background thread (``rollout.stream_concurrent``): it overlaps the
+engine's decode, gives the same iteration as scoring between chunks, surfaces a scoring
+error, and leaves no thread behind; where two programs cannot be in flight at once it
+scores between chunks and says why.
+
+Tolerance: the same programs on the same micro-batches in the same order, on another host
+thread, so metrics and parameters are compared bitwise (0) against the serial path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrlhf.sharding.mesh import MeshConfig, make_mesh
+from jaxrlhf.train import rl_stream
+from tests.train.test_rl_engine import ENGINE, METRICS, _iteration
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+THREAD = "jaxrlhf-stream-score"
+
+
+def _stream_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD)]
+
+
+def test_background_scoring_equals_scoring_between_chunks(tmp_path):
+    concurrent = _iteration(tmp_path, *ENGINE)  # stream_scoring and stream_concurrent default on
+    serial = _iteration(tmp_path, *ENGINE, "grpo.rollout.stream_concurrent=false")
+    assert concurrent[1]["rollout/stream_concurrent"] == 1.0
+    assert serial[1]["rollout/stream_concurrent"] == 0.0
+    for key in (*METRICS, "response/length_mean"):
+        assert concurrent[1][key] == serial[1][key], key
+    jax.tree.map(np.testing.assert_array_equal, concurrent[2], serial[2])
+    assert concurrent[1]["time/score_streamed_s"] > 0
+    # Between chunks the engine's thread does all of the scoring itself.
+    assert serial[1]["time/score_streamed_wait_s"] >= serial[1]["time/score_streamed_s"]
+    assert not _stream_threads()
+
+
+def test_scoring_runs_while_the_engine_decodes(tmp_path, monkeypatch):
+    """The first micro-batch's reward waits until the engine has handed out more finished
+    groups: it can only return if the engine went on decoding meanwhile (16 rows through 8
+    slots, so groups finish after the first). Between chunks the same wait would never end,
+    hence the bound (a guard, not a timing)."""
+    handed_out = []
+    add = rl_stream.StreamedScoring.add
+
+    def counting_add(self, finished):
+        handed_out.append(len(finished.rows))
+        return add(self, finished)
+
+    monkeypatch.setattr(rl_stream.StreamedScoring, "add", counting_add)
+    seen = {}
+    from jaxrlhf.train import rl_trainer
+
+    row_scores = rl_trainer.RLTrainer.row_scores
+
+    def waiting_row_scores(self, *args, **kwargs):
+        if not seen:
+            seen["thread"] = threading.current_thread().name
+            before, deadline = len(handed_out), time.monotonic() + 120
+            while len(handed_out) == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen["more"] = len(handed_out) - before
+        return row_scores(self, *args, **kwargs)
+
+    monkeypatch.setattr(rl_trainer.RLTrainer, "row_scores", waiting_row_scores)
+    _iteration(tmp_path, *ENGINE)
+    assert seen["thread"].startswith(THREAD)
+    assert seen["more"] > 0  # groups finished while the first batch was being scored
+
+
+def test_a_scoring_error_stops_the_rollout_and_no_thread_is_left(tmp_path, monkeypatch):
+    from jaxrlhf.train import rl_trainer
+
+    def failing_row_scores(self, *args, **kwargs):
+        raise RuntimeError("reward service unreachable")
+
+    monkeypatch.setattr(rl_trainer.RLTrainer, "row_scores", failing_row_scores)
+    with pytest.raises(RuntimeError, match="reward service unreachable"):
+        _iteration(tmp_path, *ENGINE)
+    assert not _stream_threads()
+
+
+def test_programs_that_cannot_run_at_once_are_scored_between_chunks(monkeypatch, caplog):
+    """Two programs over 4 CPU devices each need 16 client threads (jaxrlhf.platform); a
+    one-device engine never waits for another program's shares."""
+    monkeypatch.setenv("NPROC", "8")
+    devices = jax.devices()
+    four, other_four = (
+        make_mesh(MeshConfig(data=4, fsdp=1, tensor=1), devices=d)
+        for d in (devices[:4], devices[4:])
+    )
+    one = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=devices[:1])
+    blocker = rl_stream.concurrency_blocker(four, other_four)
+    assert blocker == (
+        "programs on 4 and 4 CPU devices at once need 16 XLA:CPU client threads, this "
+        "process has 8 (set NPROC=16 before JAX starts)"
+    )
+    assert rl_stream.concurrency_blocker(one, four) is None
+    monkeypatch.setenv("NPROC", "16")
+    assert rl_stream.concurrency_blocker(four, four) is None
+
+
+def test_a_trainer_whose_programs_cannot_overlap_warns_and_scores_between_chunks(
+    tmp_path, monkeypatch, caplog
+):
+    from jaxrlhf.train.rl_trainer import build_rl_trainer
+    from tests.train.test_rl import _config
+
+    monkeypatch.setenv("NPROC", "8")  # 8 threads: two programs on 4 devices need 16
+    cfg, src = _config(tmp_path, "grpo", *ENGINE)
+    mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=1), devices=jax.devices()[:4])
+    with caplog.at_level(logging.WARNING, logger="jaxrlhf.train.rl_trainer"):
+        trainer = build_rl_trainer(cfg, mesh=mesh, source=src)
+    assert trainer.stream_blocker.startswith("programs on 4 and 4 CPU devices at once need 16")
+    (record,) = [r for r in caplog.records if "stream_concurrent" in r.getMessage()]
+    assert "scored between decode chunks" in record.getMessage()
+    metrics = trainer.step().metrics
+    assert metrics["rollout/stream_concurrent"] == 0.0 and metrics["time/score_streamed_s"] > 0
+
+
+def test_the_dry_run_counts_the_engine_beside_background_scoring(tmp_path):
+    """Scored on the background thread, a streamed batch's forwards run beside the engine's
+    programs: the dry run adds the largest one's own outputs and temporaries (not its
+    arguments, held already, nor the decode weights' output, which stays live)."""
+    from jaxrlhf.train import dry_run
+    from tests.train.test_rl import _config, _one_device_mesh
+
+    reports = {}
+    for concurrent in (True, False):
+        flag = f"grpo.rollout.stream_concurrent={str(concurrent).lower()}"
+        cfg, src = _config(tmp_path, "grpo", *ENGINE, flag)
+        reports[concurrent] = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
+    on, off = ({p.name: p for p in reports[c].programs} for c in (True, False))
+    engine = [p for p in reports[True].programs if p.phase == "generate"]
+    own = max(
+        p.output_bytes - p.alias_bytes + p.temp_bytes for p in engine if p.name != "decode weights"
+    )
+    assert own > 0
+    streamed = on["score (streamed)"]
+    assert streamed.resident_bytes == off["score (streamed)"].resident_bytes + own
+    assert streamed.state_bytes == off["score (streamed)"].state_bytes
+    assert on["score"].resident_bytes == off["score"].resident_bytes  # after the rollout
