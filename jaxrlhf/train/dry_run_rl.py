@@ -27,7 +27,7 @@ from jaxrlhf.sharding.reshard import bytes_received
 from jaxrlhf.train.dry_run_phases import EngineLayout, Planner, RoleMemory, sds
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
-from jaxrlhf.train.rl_stream import concurrency_blocker, stream_rows
+from jaxrlhf.train.rl_stream import accelerator_blocker, stream_rows
 from jaxrlhf.train.rl_types import LearnerBatch
 from jaxrlhf.train.state import create_state, state_shardings
 
@@ -194,10 +194,19 @@ def _plan_generate(pl: Planner, programs: RLPrograms, held: list[str]) -> None:
     )
 
 
+VIEW_PREFIX = "decode view "
+
+
+def _engine_program(name: str) -> bool:
+    """Whether the dry run's program ``name`` is one the engine runs while it decodes (an
+    admission or a decode chunk; not its decode weights, whose output stays live)."""
+    return name in ("admit", "decode") or name.startswith(VIEW_PREFIX)
+
+
 def view_program_name(rows: int, width: int) -> str:
     """The dry run's name for the engine's decode chunk on a view of ``rows`` slots per
     shard and ``width`` generated cache columns."""
-    return f"decode view {rows}x{width}"
+    return f"{VIEW_PREFIX}{rows}x{width}"
 
 
 def _plan_engine(pl, programs, gen_params, arrays, live, passed) -> None:
@@ -391,7 +400,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     the micro-batches scored before it (whole micro-batches, all but the last) are held:
     compiled at the streamed micro-batch's rows, unpacked (its most memory), with all that
     counted on the devices it shares with them. Scored on a background thread
-    (``rollout.stream_concurrent``, where the run would), it runs beside the engine, so
+    (``rollout.stream_concurrent``, where an accelerator run would), it runs beside the engine, so
     the engine's own outputs and temporaries (its largest program's: an admission or a
     chunk) are counted too where their devices meet.
     Memory only: their time is the scoring phase's already (``runs=0``). (An interleaved
@@ -402,15 +411,16 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
         return
     beside = 0
     shared = set(pl.generate_mesh.devices.flat) & set(programs.mesh.devices.flat)
+    # Planned as on accelerators (the run's own CPU pool does not decide it here).
     if (
         r.stream_concurrent
         and shared
-        and concurrency_blocker(pl.generate_mesh, programs.mesh) is None
+        and accelerator_blocker(pl.generate_mesh, programs.mesh) is None
     ):
         beside = max(
             p.output_bytes - p.alias_bytes + p.temp_bytes
             for p in pl.programs
-            if p.phase == "generate" and p.name != "decode weights"  # its output is live
+            if p.phase == "generate" and _engine_program(p.name)
         )
     (policy_params, ref_params, value_params), passed = models
     length = pl.cfg.data.max_prompt_length + r.max_new_tokens

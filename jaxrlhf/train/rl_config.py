@@ -75,14 +75,16 @@ class RolloutConfig:
       stream_scoring: with the engine, score finished groups (reference, old policy, critic)
         between decode chunks instead of after the last one: the same arrays, earlier. Each
         streamed batch is sequence-packed like the whole rollout (``pack_sequences``).
-      stream_concurrent: with ``stream_scoring``, score each streamed batch on a background
-        thread while the engine's thread goes on decoding (the reward function runs on that
-        thread too): the same arrays, and scoring overlaps the tail's decode. Only where the
-        programs may be in flight together: one process, and on CPU devices where the
-        engine's and the scoring's programs fit the XLA:CPU client's pool
-        (``jaxrlhf.platform.concurrent_programs_fit``); elsewhere the batches are scored
-        between decode chunks, with a warning. False: always between decode chunks.
-        Logged: ``rollout/stream_concurrent``.
+      stream_concurrent: with ``stream_scoring``, run each streamed batch's device work (the
+        reward model and the scoring forwards) on a background thread while the engine's
+        thread goes on decoding: the same arrays, and scoring overlaps the tail's decode.
+        The reward and task functions still run on the engine's thread, between chunks.
+        Only where the programs may be in flight together: one process; on CPU devices
+        where both fit the XLA:CPU client's pool (``jaxrlhf.platform``); on accelerators
+        where the sampler's and learner's devices are disjoint or one program spans one
+        device (docs/rollout.md). Elsewhere the batches are scored between decode chunks,
+        with a warning. False: always between decode chunks. Logged:
+        ``rollout/stream_concurrent``.
       environment: multi-turn episodes (engine only): dotted path ``module.attr`` of an
         environment class or function (``jaxrlhf.generation.environment``; the built-in tool
         task's is ``jaxrlhf.data.tool_task.CalculatorEnv``). Each model turn goes to it; its

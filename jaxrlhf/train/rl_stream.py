@@ -20,6 +20,7 @@ rows), or leaves it unpacked where packing would run more slots.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from concurrent import futures
@@ -35,6 +36,8 @@ from jaxrlhf.generation.sampler import SampleOutput
 from jaxrlhf.generation.slots import Finished
 from jaxrlhf.train.rl_packing import PhasePlan, streamed_score_metrics
 from jaxrlhf.train.rl_types import RolloutRows, Scored
+
+logger = logging.getLogger(__name__)
 
 
 def with_prompts(finished: Finished, prompts: dict[str, np.ndarray], n: int) -> SampleOutput:
@@ -60,18 +63,36 @@ def concurrency_blocker(engine_mesh: Mesh, scoring_mesh: Mesh) -> str | None:
 
     Processes launch multi-process programs in one order, which two threads would not keep.
     On CPU devices two programs in flight at once must fit the XLA:CPU client's pool
-    (``jaxrlhf.platform.concurrent_programs_fit``).
+    (``jaxrlhf.platform.concurrent_programs_fit``); on accelerators see
+    :func:`accelerator_blocker`.
     """
     if jax.process_count() > 1:
         return f"{jax.process_count()} processes must launch their programs in one order"
     sizes = (engine_mesh.size, scoring_mesh.size)
-    if engine_mesh.devices.flat[0].platform != "cpu" or platform.concurrent_programs_fit(*sizes):
+    if engine_mesh.devices.flat[0].platform != "cpu":
+        return accelerator_blocker(engine_mesh, scoring_mesh)
+    if platform.concurrent_programs_fit(*sizes):
         return None
     need = 2 * sum(sizes)
     return (
         f"programs on {sizes[0]} and {sizes[1]} CPU devices at once need {need} XLA:CPU "
         f"client threads, this process has {platform.cpu_client_threads()} (set "
         f"{platform.CLIENT_THREADS_ENV}={need} before JAX starts)"
+    )
+
+
+def accelerator_blocker(engine_mesh: Mesh, scoring_mesh: Mesh) -> str | None:
+    """On accelerators: why the engine's and the scoring's programs may not be launched from
+    two threads at once, or None. A program is launched one device at a time; two
+    multi-device programs on shared devices, launched from two threads, could reach the
+    devices in different orders and wait on each other's collectives. Disjoint meshes, or a
+    one-device program beside the other, cannot."""
+    engine = set(engine_mesh.devices.flat)
+    if not engine & set(scoring_mesh.devices.flat) or min(engine_mesh.size, scoring_mesh.size) == 1:
+        return None
+    return (
+        f"two programs over {engine_mesh.size} and {scoring_mesh.size} shared devices, "
+        "launched from two threads, could reach the devices in different orders"
     )
 
 
@@ -95,25 +116,44 @@ class ScoredPiece:
     unpacked: tuple[float, float]
 
 
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """A streamed micro-batch, its host part done: the samples with their prompts, padded
+    to the micro-batch's rows by repeating whole groups, its rollout rows (padding: -1),
+    token ids and mask ``[R, P + T]``, and the reward and task functions' scores of its
+    rows (``raw`` None: the reward model scores them)."""
+
+    out: SampleOutput
+    rows: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    task: np.ndarray | None
+    raw: np.ndarray | None
+
+
 class StreamedScoring:
     """Rewards and scoring forwards of finished groups, micro-batch by micro-batch.
 
-    Each full micro-batch is scored on a background thread (``concurrent``), so the engine's
-    thread goes on decoding while it runs, or else on the calling thread between decode
-    chunks. One background thread scores the micro-batches one after another, in the order
-    they filled; an error it raises is raised by the next :meth:`add` or by :meth:`close`.
+    As a micro-batch fills, its reward and task functions run on the calling thread (the
+    engine's, between decode chunks, as a reward that uses signals needs); its device work
+    (the reward model and the scoring forwards) runs on a background thread
+    (``concurrent``), so the engine goes on decoding meanwhile, or else on the calling
+    thread too. One background thread scores the micro-batches one after another, in the
+    order they filled; an error it raises is raised by the next :meth:`add` or by
+    :meth:`close`.
 
     Args:
-      trainer: the ``rl_trainer.RLTrainer`` (its programs, parameters and ``row_scores``).
+      trainer: the ``rl_trainer.RLTrainer`` (its programs, parameters, ``function_scores``).
       prompts: the iteration's prompt batch (``tokens``/``mask`` [B, P], record ``index``).
       micro_rows: rows per micro-batch (:func:`stream_rows`).
-      concurrent: score on a background thread (the caller has checked that the scoring's
-        and the engine's programs may be in flight together).
+      concurrent: run the device work on a background thread (the caller has checked that
+        the scoring's and the engine's programs may be in flight together).
 
     Attributes:
-      seconds: time spent scoring, on whichever thread.
+      host_seconds: time the calling thread spent in the reward and task functions.
+      device_seconds: time spent in the device work, on whichever thread.
       wait_seconds: time the calling thread spent scoring or waiting for the background
-        thread (all of ``seconds`` when not concurrent).
+        thread (``host_seconds + device_seconds`` when not concurrent).
     """
 
     def __init__(
@@ -133,12 +173,18 @@ class StreamedScoring:
             if concurrent
             else None
         )
-        self.seconds = 0.0
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0  # written by the thread that runs the device work only
         self.wait_seconds = 0.0
 
     @property
     def concurrent(self) -> bool:
         return self.executor is not None
+
+    @property
+    def seconds(self) -> float:
+        """Time spent scoring, host and device work, on whichever thread."""
+        return self.host_seconds + self.device_seconds
 
     def add(self, finished: Finished) -> None:
         """Takes newly finished groups; starts scoring every full micro-batch."""
@@ -149,31 +195,38 @@ class StreamedScoring:
 
     def close(self) -> None:
         """Scores what is left (a last, padded micro-batch) and waits for every piece."""
-        start = time.perf_counter()
         try:
             while self.waiting:
                 self._submit(self._take())
-            for future in self.pending:
-                self.pieces.append(future.result())
+            start = time.perf_counter()
+            while self.pending:
+                self.pieces.append(self.pending.pop(0).result())
+            self.wait_seconds += time.perf_counter() - start
         finally:
             self.cancel()
-            self.wait_seconds += time.perf_counter() - start
 
     def cancel(self) -> None:
         """Drops the micro-batches not started and waits for the one running, so that no
-        thread touches the trainer after this returns. Idempotent."""
+        thread touches the trainer after this returns; logs an error the background thread
+        raised that nobody has seen (the rollout failed for another reason). Idempotent."""
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
+        for future in self.pending:
+            if not future.cancelled() and future.exception() is not None:
+                logger.warning("streamed scoring failed too: %s", future.exception())
         self.pending = []
 
     def _raise_failed(self) -> None:
-        for future in self.pending:
+        for i, future in enumerate(self.pending):
             if future.done() and not future.cancelled() and future.exception() is not None:
+                del self.pending[i]
                 future.result()
 
-    def _take(self) -> tuple[Finished, int]:
+    def _take(self) -> MicroBatch:
         """The next micro-batch off the waiting groups, padded to ``micro_rows`` rows by
-        repeating its rows (whole groups: their outputs are dropped), and its real rows."""
+        repeating its rows (whole groups: their outputs are dropped), with its reward and
+        task functions' scores (run here, on the calling thread)."""
+        start = time.perf_counter()
         merged = jax.tree.map(lambda *xs: np.concatenate(xs), *self.waiting)
         take = min(self.micro_rows, len(merged.rows))
         batch = jax.tree.map(lambda x: x[: self.micro_rows], merged)
@@ -183,32 +236,48 @@ class StreamedScoring:
         if pad:
             fill = np.arange(pad) % take
             batch = jax.tree.map(lambda x: np.concatenate([x, x[fill]]), batch)
-        return batch, take
-
-    def _submit(self, work: tuple[Finished, int]) -> None:
-        if self.executor is not None:
-            self.pending.append(self.executor.submit(self._score, *work))
-            return
-        start = time.perf_counter()
-        self.pieces.append(self._score(*work))
-        self.wait_seconds += time.perf_counter() - start
-
-    def _score(self, batch: Finished, take: int) -> ScoredPiece:
-        start, t_start = time.perf_counter(), self.trainer.timeline.now()
         out = with_prompts(batch, self.prompts, self.n)
         rows = batch.rows.copy()
         rows[take:] = -1
-        trainer = self.trainer
-        tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32)
-        mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
         index = self.prompts["index"][batch.rows // self.n]
-        task, raw = trainer.row_scores(out, tokens, mask, index)
+        task, raw = self.trainer.function_scores(out, index)
+        work = MicroBatch(
+            out=out,
+            rows=rows,
+            tokens=np.concatenate([out.prompt_tokens, out.tokens], axis=1).astype(np.int32),
+            mask=np.concatenate([out.prompt_mask, out.response_mask], axis=1),
+            task=task,
+            raw=raw,
+        )
+        elapsed = time.perf_counter() - start
+        self.host_seconds += elapsed
+        self.wait_seconds += elapsed
+        return work
+
+    def _submit(self, work: MicroBatch) -> None:
+        if self.executor is not None:
+            self.pending.append(self.executor.submit(self._score, work))
+            return
+        start = time.perf_counter()
+        self.pieces.append(self._score(work))
+        self.wait_seconds += time.perf_counter() - start
+
+    def _score(self, work: MicroBatch) -> ScoredPiece:
+        """The device work of a micro-batch: the reward model (when it scores) and the
+        scoring forwards."""
+        start, t_start = time.perf_counter(), self.trainer.timeline.now()
+        trainer, programs = self.trainer, self.trainer.programs
+        tokens, mask, rows = work.tokens, work.mask, work.rows
+        raw = work.raw
+        if raw is None:
+            raw = programs.reward_scores(trainer.rm_params, tokens, mask)
+        real = rows[rows >= 0]
         scores = {
-            int(row): (float(raw[i]), None if task is None else float(task[i]))
-            for i, row in enumerate(rows[:take])
+            int(row): (float(raw[i]), None if work.task is None else float(work.task[i]))
+            for i, row in enumerate(real)
         }
+        out = work.out
         response = np.concatenate([np.zeros_like(out.prompt_mask), out.response_mask], axis=1)
-        programs = trainer.programs
         plan = programs.planner.score(tokens, mask)
         device_rows = RolloutRows(
             tokens=tokens, mask=mask, response_mask=response, packing=plan and plan.packing
@@ -223,7 +292,7 @@ class StreamedScoring:
         )
         if self.concurrent:  # its time is this thread's: wait here, not in the engine's thread
             forwards = jax.block_until_ready(forwards)
-        self.seconds += time.perf_counter() - start
+        self.device_seconds += time.perf_counter() - start
         trainer.timeline.record(
             "score", "learner", trainer.steps_done, t_start, trainer.timeline.now()
         )

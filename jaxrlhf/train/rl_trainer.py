@@ -375,7 +375,7 @@ class RLTrainer:
             stream = StreamedScoring(self, prompts, micro, self.stream_blocker is None)
             timings["rollout/stream_concurrent"] = float(stream.concurrent)
         start = time.perf_counter()
-        try:
+        try:  # until every streamed batch is scored: no scoring thread outlives a failure
             out = programs.engine.generate(
                 gen_params,
                 prompts["tokens"][skip:],  # the engine puts the carried prompts first itself
@@ -392,25 +392,24 @@ class RLTrainer:
                 keep_partials=r.partial_rollouts,
                 version=version,
             )
-        except BaseException:
+            del gen_params
+            if r.partial_rollouts:  # the engine numbers its groups over ``prompts``: map them back
+                self.partials = out.partials and dataclasses.replace(
+                    out.partials, prompt_ids=prompts["index"][out.partials.prompt_ids]
+                )
+                versions = out.finished.versions
+                held = versions[out.finished.response_mask]
+                timings["rollout/oldest_version"] = float(held.min(initial=version))
+                carried = (versions >= 0) & (versions < version)  # -1: past the response
+                timings["rollout/partial_rows"] = float(carried.any(-1).sum())
+                timings["rollout/carried_groups"] = float(
+                    0 if self.partials is None else self.partials.groups
+                )
             if stream is not None:
-                stream.cancel()  # no scoring thread outlives the failed rollout
-            raise
-        del gen_params
-        if r.partial_rollouts:  # the engine numbers its groups over ``prompts``: map them back
-            self.partials = out.partials and dataclasses.replace(
-                out.partials, prompt_ids=prompts["index"][out.partials.prompt_ids]
-            )
-            versions = out.finished.versions
-            held = versions[out.finished.response_mask]
-            timings["rollout/oldest_version"] = float(held.min(initial=version))
-            carried = (versions >= 0) & (versions < version)  # -1: past the response
-            timings["rollout/partial_rows"] = float(carried.any(-1).sum())
-            timings["rollout/carried_groups"] = float(
-                0 if self.partials is None else self.partials.groups
-            )
-        if stream is not None:
-            stream.close()
+                stream.close()
+        finally:
+            if stream is not None:
+                stream.cancel()
         timings["time/generate_s"] = time.perf_counter() - start
         timings["rollout/aborted_groups"] = float(out.aborted_groups)
         timings["rollout/decoded_tokens"] = float(out.generated_tokens)
@@ -578,8 +577,22 @@ class RLTrainer:
         """``(task scores or None, raw scores)`` of the rows: the reward function's on the
         decoded text (the built-in task's, when it is the reward, counts as both) or the
         reward model's."""
+        task, raw = self.function_scores(out, index, completions)
+        if raw is None:
+            raw = self.programs.reward_scores(self.rm_params, tokens, mask)
+        return task, raw
+
+    def function_scores(
+        self,
+        out: SampleOutput,
+        index: np.ndarray,
+        completions: list[str] | None = None,
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """``(task scores or None, raw scores or None)``: what the reward and task functions
+        give the rows on the host (their decoded text); raw is None when the reward model
+        scores the rows (``row_scores`` runs it)."""
         if self.reward_fn is None and self.task_fn is None:
-            return None, self.programs.reward_scores(self.rm_params, tokens, mask)
+            return None, None
         data = self.cfg.data
         prompt_ids = [t[m] for t, m in zip(out.prompt_tokens, out.prompt_mask, strict=True)]
         completion_ids = [t[m] for t, m in zip(out.tokens, out.response_mask, strict=True)]
@@ -592,7 +605,7 @@ class RLTrainer:
         )
         task = None if self.task_fn is None else call_reward_fn(self.task_fn, **texts)
         if self.reward_fn is None:  # a reward model drives RL; the task reward is logged
-            return task, self.programs.reward_scores(self.rm_params, tokens, mask)
+            return task, None
         if self.reward_fn is self.task_fn:
             return task, task
         return task, call_reward_fn(self.reward_fn, **texts)

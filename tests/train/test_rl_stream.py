@@ -44,11 +44,18 @@ def test_background_scoring_equals_scoring_between_chunks(tmp_path):
     assert not _stream_threads()
 
 
+def _on_worker() -> bool:
+    return threading.current_thread().name.startswith(THREAD)
+
+
 def test_scoring_runs_while_the_engine_decodes(tmp_path, monkeypatch):
-    """The first micro-batch's reward waits until the engine has handed out more finished
-    groups: it can only return if the engine went on decoding meanwhile (16 rows through 8
-    slots, so groups finish after the first). Between chunks the same wait would never end,
-    hence the bound (a guard, not a timing)."""
+    """The first micro-batch's device work waits until the engine has handed out more
+    finished groups: it can only go on if the engine went on decoding meanwhile (16 rows
+    through 8 slots, so groups finish after the first). Between chunks the same wait would
+    never end, hence the bound (a guard, not a timing). The reward function runs on the
+    engine's thread (a reward that uses signals needs the main thread)."""
+    from jaxrlhf.train import rl_programs, rl_trainer
+
     handed_out = []
     add = rl_stream.StreamedScoring.add
 
@@ -56,40 +63,51 @@ def test_scoring_runs_while_the_engine_decodes(tmp_path, monkeypatch):
         handed_out.append(len(finished.rows))
         return add(self, finished)
 
-    monkeypatch.setattr(rl_stream.StreamedScoring, "add", counting_add)
-    seen = {}
-    from jaxrlhf.train import rl_trainer
+    seen = {"reward threads": set()}
+    put_rows = rl_programs.RLPrograms.put_rows
 
-    row_scores = rl_trainer.RLTrainer.row_scores
-
-    def waiting_row_scores(self, *args, **kwargs):
-        if not seen:
-            seen["thread"] = threading.current_thread().name
+    def waiting_put_rows(self, tree):
+        if _on_worker() and "more" not in seen:
             before, deadline = len(handed_out), time.monotonic() + 120
             while len(handed_out) == before and time.monotonic() < deadline:
                 time.sleep(0.01)
             seen["more"] = len(handed_out) - before
-        return row_scores(self, *args, **kwargs)
+        return put_rows(self, tree)
 
-    monkeypatch.setattr(rl_trainer.RLTrainer, "row_scores", waiting_row_scores)
-    _iteration(tmp_path, *ENGINE)
-    assert seen["thread"].startswith(THREAD)
-    assert seen["more"] > 0  # groups finished while the first batch was being scored
+    function_scores = rl_trainer.RLTrainer.function_scores
+
+    def recording_function_scores(self, *args, **kwargs):
+        seen["reward threads"].add(threading.current_thread().name)
+        return function_scores(self, *args, **kwargs)
+
+    monkeypatch.setattr(rl_stream.StreamedScoring, "add", counting_add)
+    monkeypatch.setattr(rl_programs.RLPrograms, "put_rows", waiting_put_rows)
+    monkeypatch.setattr(rl_trainer.RLTrainer, "function_scores", recording_function_scores)
+    _, metrics, *_ = _iteration(tmp_path, *ENGINE)
+    assert metrics["rollout/stream_concurrent"] == 1.0
+    assert seen["more"] > 0  # groups finished while the first batch's forwards ran
+    assert seen["reward threads"] == {threading.current_thread().name}
 
 
 def test_a_scoring_error_stops_the_rollout_and_no_thread_is_left(tmp_path, monkeypatch):
-    from jaxrlhf.train import rl_trainer
+    from jaxrlhf.train import rl_programs
 
-    def failing_row_scores(self, *args, **kwargs):
-        raise RuntimeError("reward service unreachable")
+    put_rows, failed_on = rl_programs.RLPrograms.put_rows, []
 
-    monkeypatch.setattr(rl_trainer.RLTrainer, "row_scores", failing_row_scores)
-    with pytest.raises(RuntimeError, match="reward service unreachable"):
+    def failing_put_rows(self, tree):
+        if _on_worker():
+            failed_on.append(threading.current_thread().name)
+            raise RuntimeError("device lost")
+        return put_rows(self, tree)
+
+    monkeypatch.setattr(rl_programs.RLPrograms, "put_rows", failing_put_rows)
+    with pytest.raises(RuntimeError, match="device lost"):
         _iteration(tmp_path, *ENGINE)
+    assert failed_on  # it failed on the background thread, and was raised on this one
     assert not _stream_threads()
 
 
-def test_programs_that_cannot_run_at_once_are_scored_between_chunks(monkeypatch, caplog):
+def test_programs_that_cannot_run_at_once_are_scored_between_chunks(monkeypatch):
     """Two programs over 4 CPU devices each need 16 client threads (jaxrlhf.platform); a
     one-device engine never waits for another program's shares."""
     monkeypatch.setenv("NPROC", "8")
@@ -107,6 +125,14 @@ def test_programs_that_cannot_run_at_once_are_scored_between_chunks(monkeypatch,
     assert rl_stream.concurrency_blocker(one, four) is None
     monkeypatch.setenv("NPROC", "16")
     assert rl_stream.concurrency_blocker(four, four) is None
+    # On accelerators: two multi-device programs on shared devices are never launched from
+    # two threads; disjoint groups, or a one-device program beside the other, are.
+    assert rl_stream.accelerator_blocker(four, four) == (
+        "two programs over 4 and 4 shared devices, launched from two threads, could reach "
+        "the devices in different orders"
+    )
+    assert rl_stream.accelerator_blocker(four, other_four) is None
+    assert rl_stream.accelerator_blocker(one, four) is None
 
 
 def test_a_trainer_whose_programs_cannot_overlap_warns_and_scores_between_chunks(
@@ -127,7 +153,8 @@ def test_a_trainer_whose_programs_cannot_overlap_warns_and_scores_between_chunks
     assert metrics["rollout/stream_concurrent"] == 0.0 and metrics["time/score_streamed_s"] > 0
 
 
-def test_the_dry_run_counts_the_engine_beside_background_scoring(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_dry_run_counts_the_engine_beside_background_scoring(tmp_path, lora):
     """Scored on the background thread, a streamed batch's forwards run beside the engine's
     programs: the dry run adds the largest one's own outputs and temporaries (not its
     arguments, held already, nor the decode weights' output, which stays live)."""
@@ -137,13 +164,17 @@ def test_the_dry_run_counts_the_engine_beside_background_scoring(tmp_path):
     reports = {}
     for concurrent in (True, False):
         flag = f"grpo.rollout.stream_concurrent={str(concurrent).lower()}"
-        cfg, src = _config(tmp_path, "grpo", *ENGINE, flag)
+        lora_rank = ["lora.rank=4"] if lora else []  # (its merge program is not the engine's)
+        cfg, src = _config(tmp_path, "grpo", *ENGINE, flag, *lora_rank)
         reports[concurrent] = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
     on, off = ({p.name: p for p in reports[c].programs} for c in (True, False))
-    engine = [p for p in reports[True].programs if p.phase == "generate"]
-    own = max(
-        p.output_bytes - p.alias_bytes + p.temp_bytes for p in engine if p.name != "decode weights"
-    )
+    engine = [
+        p
+        for p in reports[True].programs
+        if p.name in ("admit", "decode") or p.name.startswith("decode view ")
+    ]
+    assert len(engine) >= 3
+    own = max(p.output_bytes - p.alias_bytes + p.temp_bytes for p in engine)
     assert own > 0
     streamed = on["score (streamed)"]
     assert streamed.resident_bytes == off["score (streamed)"].resident_bytes + own
