@@ -204,15 +204,19 @@ def set_cpu_client_threads(count: int) -> str | None:
     return None
 
 
+def client_threads_needed(*devices: int) -> int:
+    """XLA:CPU client threads that programs over ``devices[i]`` CPU devices each need to be
+    in flight at once (module docstring): none when at most one of them spans several
+    devices (single-device programs run on their calling thread), else twice the devices
+    the multi-device ones span."""
+    multi = [d for d in devices if d > 1]
+    return 0 if len(multi) <= 1 else 2 * sum(multi)
+
+
 def concurrent_programs_fit(*devices: int) -> bool:
     """Whether programs over ``devices[i]`` CPU devices each can be in flight at once without
-    starving the client's pool (module docstring): at most one of them spans several
-    devices (single-device programs run on their calling thread), or the pool has twice
-    the devices the multi-device ones span."""
-    multi = [d for d in devices if d > 1]
-    if len(multi) <= 1:
-        return True
-    return cpu_client_threads() >= 2 * sum(multi)
+    starving the client's pool (:func:`client_threads_needed`)."""
+    return cpu_client_threads() >= client_threads_needed(*devices)
 
 
 def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:

@@ -400,12 +400,11 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     the micro-batches scored before it (whole micro-batches, all but the last) are held:
     compiled at the streamed micro-batch's rows, unpacked (its most memory), with all that
     counted on the devices it shares with them. Scored on a background thread
-    (``rollout.stream_concurrent``, where an accelerator run would), it runs beside the engine, so
-    the engine's own outputs and temporaries (its largest program's: an admission or a
-    chunk) are counted too where their devices meet.
-    Memory only: their time is the scoring phase's already (``runs=0``). (An interleaved
-    critic's values are scored on its group after the rollout: ``models`` has no value
-    params then.)"""
+    (``rollout.stream_concurrent``, where an accelerator run would), it runs beside the
+    engine, so the engine's own outputs and temporaries (its largest admission or chunk)
+    are counted too where their devices meet. Memory only: their time is the scoring
+    phase's already (``runs=0``). (An interleaved critic's values are scored on its group
+    after the rollout: ``models`` has no value params then.)"""
     r = programs.algo.rollout
     if programs.engine is None or not r.stream_scoring or r.environment is not None:
         return

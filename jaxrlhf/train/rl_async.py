@@ -61,7 +61,7 @@ def check_concurrency(meshes: Mapping[str, Any]) -> None:
     first = next(iter(meshes.values()))
     if first.devices.flat[0].platform != "cpu" or platform.concurrent_programs_fit(*sizes.values()):
         return
-    need = 2 * sum(n for n in sizes.values() if n > 1)
+    need = platform.client_threads_needed(*sizes.values())
     fields = ", ".join(f for f, n in sizes.items() if n > 1)
     counts = " and ".join(str(n) for n in sizes.values())
     raise MeshError(

@@ -73,7 +73,7 @@ def concurrency_blocker(engine_mesh: Mesh, scoring_mesh: Mesh) -> str | None:
         return accelerator_blocker(engine_mesh, scoring_mesh)
     if platform.concurrent_programs_fit(*sizes):
         return None
-    need = 2 * sum(sizes)
+    need = platform.client_threads_needed(*sizes)
     return (
         f"programs on {sizes[0]} and {sizes[1]} CPU devices at once need {need} XLA:CPU "
         f"client threads, this process has {platform.cpu_client_threads()} (set "
@@ -88,7 +88,8 @@ def accelerator_blocker(engine_mesh: Mesh, scoring_mesh: Mesh) -> str | None:
     devices in different orders and wait on each other's collectives. Disjoint meshes, or a
     one-device program beside the other, cannot."""
     engine = set(engine_mesh.devices.flat)
-    if not engine & set(scoring_mesh.devices.flat) or min(engine_mesh.size, scoring_mesh.size) == 1:
+    disjoint = not engine & set(scoring_mesh.devices.flat)
+    if disjoint or min(engine_mesh.size, scoring_mesh.size) == 1:
         return None
     return (
         f"two programs over {engine_mesh.size} and {scoring_mesh.size} shared devices, "
