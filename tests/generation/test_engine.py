@@ -179,6 +179,29 @@ def test_token_budget_stops_admitting(setup):
     assert out.generated_tokens == 24
 
 
+def test_token_budget_is_latched_when_stop_strings_cut(setup):
+    """The budget counts tokens as decoded, before a stop string cuts them: two slots decode
+    4 tokens each in the first chunk (8 = the budget), then the stop string 'xx' cuts both
+    rows to 2 tokens (4 kept). Admission stays closed although the kept tokens are under the
+    budget, so only the first two prompts run."""
+    cfg, params, tokens, mask = setup
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=T, n=1, pad_token_id=0)
+    out = Engine(Sampler(cfg), slots=2, chunk=4).generate(
+        params,
+        tokens,
+        mask,
+        jax.random.key(5),
+        sampling,
+        token_budget=8,
+        stop_strings=("xx",),
+        decode=lambda ids: "x" * len(ids),
+    )
+    assert list(out.kept_groups) == [0, 1] and out.aborted_groups == B - 2
+    np.testing.assert_array_equal(out.finished.lengths, [2, 2])
+    assert out.finished.stopped.all()
+    assert out.generated_tokens == 8 and out.chunks == 1
+
+
 def test_stop_strings_cut_the_response(setup):
     """A stop 'string' made of the decoded ids: the response ends right after the token that
     completes it, as a stopped row."""
