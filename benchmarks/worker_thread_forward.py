@@ -9,7 +9,7 @@ the same jitted bench-M forward and log-softmax on both threads, alternating, on
 machine (nothing else runs, so the two differ only in which thread dispatches), with the
 process's minor page faults and system CPU time during each call.
 
-    python benchmarks/worker_thread_forward.py --rows 8 --tokens 576 --rounds 3
+    python benchmarks/worker_thread_forward.py --rounds 4 --calls 5
 """
 
 from __future__ import annotations
@@ -55,18 +55,17 @@ def main() -> None:
     def score(p, t, m):
         return jax.nn.log_softmax(model_lib.forward(module, p, t, m)).max(-1).sum()
 
-    faults: list[int] = []  # minor page faults of the process during each call
-    kernel: list[float] = []  # the process's system CPU seconds during each call
-
-    def once() -> float:
+    def once() -> tuple[float, int, float]:
+        """(seconds, the process's minor page faults, its system CPU seconds) of one call."""
         before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         jax.block_until_ready(score(params, tokens, mask))
         seconds = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_SELF)
-        faults.append(after.ru_minflt - before.ru_minflt)
-        kernel.append(after.ru_stime - before.ru_stime)
-        return seconds
+        return seconds, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
+
+    def medians(calls: list[tuple[float, int, float]]) -> tuple[float, ...]:
+        return tuple(statistics.median(column) for column in zip(*calls, strict=True))
 
     once()  # compiles
     logits_mib = args.rows * args.tokens * cfg.vocab_size * 4 / 2**20
@@ -76,17 +75,15 @@ def main() -> None:
     )
     with ThreadPoolExecutor(1, thread_name_prefix="worker") as worker:
         for r in range(args.rounds):
-            faults.clear(), kernel.clear()
-            main_s = [once() for _ in range(args.calls)]
-            main_faults, main_kernel = statistics.median(faults), statistics.median(kernel)
-            faults.clear(), kernel.clear()
-            worker_s = [worker.submit(once).result() for _ in range(args.calls)]
-            m, w = statistics.median(main_s), statistics.median(worker_s)
+            m, m_faults, m_kernel = medians([once() for _ in range(args.calls)])
+            w, w_faults, w_kernel = medians(
+                [worker.submit(once).result() for _ in range(args.calls)]
+            )
             print(
-                f"round {r}: main thread {m:.3f} s ({main_faults:.0f} page faults, "
-                f"{main_kernel:.2f} s system CPU a call), worker thread {w:.3f} s "
-                f"({statistics.median(faults):.0f}, {statistics.median(kernel):.2f} s) (medians "
-                f"of {args.calls}): worker / main {w / m:.3f}",
+                f"round {r}: main thread {m:.3f} s ({m_faults:.0f} page faults, "
+                f"{m_kernel:.2f} s system CPU a call), worker thread {w:.3f} s "
+                f"({w_faults:.0f}, {w_kernel:.2f} s) (medians of {args.calls}): "
+                f"worker / main {w / m:.3f}",
                 flush=True,
             )
 
