@@ -231,6 +231,9 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping"
+    if origin is tuple:  # YAML writes a sequence as a list
+        (elem,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
+        return f"a list of {_type_name(elem)}"
     if origin is not None:
         return getattr(origin, "__name__", str(tp))
     return getattr(tp, "__name__", str(tp))
@@ -289,10 +292,23 @@ def _coerce(value: Any, tp: Any, path: str, ctx: _Context) -> Any:
     ctx.fail(path, f"expected {_type_name(tp)}, got {value!r}")
 
 
+def _section_fields_named(key: str) -> list[str]:
+    """``section.key`` for each top-level section of :class:`RunConfig` with a field ``key``."""
+    found = []
+    for name, tp in typing.get_type_hints(RunConfig).items():
+        sections = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if sections and key in {f.name for f in dataclasses.fields(sections[0])}:
+            found.append(f"{name}.{key}")
+    return found
+
+
 def _unknown(path: str, key: str, valid: Iterable[str], ctx: _Context) -> typing.NoReturn:
     valid = sorted(valid)
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    nested = _section_fields_named(str(key)) if not path else []
+    if nested:  # e.g. a top-level ``rollout:`` that belongs under ``grpo:``
+        hint = f"did you mean {' or '.join(nested)}? "
     ctx.fail(_join(path, str(key)), f"unknown key ({hint}valid: {', '.join(valid)})")
 
 
@@ -444,6 +460,12 @@ def load_config(paths: str | Sequence[str], overrides: Iterable[str] = ()) -> Ru
     paths = (paths,) if isinstance(paths, str) else tuple(paths)
     data, origins = read_configs(paths, overrides)
     return from_dict(data, source=paths[0], override_paths=origins)
+
+
+def source_of(source: str, override_paths: Iterable[str] | Mapping[str, str], path: str) -> str:
+    """Where the field ``path`` was set: ``source`` (the first file), an overlay file or
+    ``command line`` (``override_paths`` as in :func:`from_dict`)."""
+    return _Context(source, override_paths).source_of(path)
 
 
 def config_files(source: str, override_paths: Iterable[str] | Mapping[str, str] = ()) -> str:
@@ -853,15 +875,24 @@ def _reference_layout(
 
 
 def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Context) -> None:
-    """The rollout engine's slots split over the sampler's data shards; one process."""
+    """The rollout engine's slots (set, or one per started row) split over the sampler's
+    data shards; one process."""
     rollout = rl_section(cfg).rollout
     if rollout.engine != "continuous":
         return
-    slots = rollout.slots or rollout.started_prompts * rollout.num_samples
-    if slots % sampler_shards:
+    slots = rollout.engine_slots
+    if slots % sampler_shards and rollout.slots is not None:
         ctx.fail(
             f"{cfg.algorithm}.rollout.slots",
             f"{slots} slots do not split over the sampler's {sampler_shards} data shard(s)",
+        )
+    if slots % sampler_shards:  # slots unset: one for every row the iteration starts
+        field = "oversample_groups" if rollout.oversample_groups else "prompts_per_step"
+        ctx.fail(
+            f"{cfg.algorithm}.rollout.{field}",
+            f"the engine's slots (unset: one per started row, (prompts_per_step + "
+            f"oversample_groups) x num_samples = {slots}) do not split over the sampler's "
+            f"{sampler_shards} data shard(s); set {cfg.algorithm}.rollout.slots",
         )
     import jax
 

@@ -152,7 +152,8 @@ class BatchIterator:
 
     Each epoch yields ``len(dataset) // batch_size`` full batches (the shuffled remainder
     waits for a later epoch). The order depends only on the seed, the epoch and the dataset
-    size, so ``state()`` / ``restore()`` resume exactly.
+    size, so ``state()`` / ``restore()`` resume exactly. ``batch_from`` names the setting
+    the batch size comes from in the error a too-small dataset raises.
     """
 
     def __init__(
@@ -163,11 +164,13 @@ class BatchIterator:
         *,
         seed: int = 0,
         shuffle: bool = True,
+        batch_from: str | None = None,
     ) -> None:
         if len(dataset) < batch_size:
+            whence = f" ({batch_from})" if batch_from else ""
             raise DataError(
                 f"{dataset.report.source}: {len(dataset)} usable examples, fewer than one "
-                f"batch of {batch_size}"
+                f"batch of {batch_size}{whence}"
             )
         self.dataset = dataset
         self.batch_size = batch_size

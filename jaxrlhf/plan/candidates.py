@@ -251,7 +251,7 @@ def memory_variants(cfg: RunConfig) -> list[dict[str, Any]]:
     out += micro
     r = algo.rollout
     if r.engine == "continuous":
-        slots = r.slots or r.started_prompts * r.num_samples
+        slots = r.engine_slots
         while slots // 2 >= r.num_samples and (slots // 2) % r.num_samples == 0:
             slots //= 2
             out.append({cfg.algorithm: {"rollout": {"slots": slots}}})

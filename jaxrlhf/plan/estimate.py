@@ -289,7 +289,7 @@ def _replay(cfg: RunConfig, lengths: LengthModel, compiled: CompiledPlan) -> Any
     return engine_replay(
         lengths.lengths(r.started_prompts * r.num_samples, t),
         layout.local_slots * layout.shards,
-        r.chunk_tokens,
+        r.chunk_steps,
         r.num_samples,
         shards=layout.shards,
         max_new_tokens=t,
@@ -319,7 +319,7 @@ def _engine_runs(
     generate = {name: c for ph, name, _, c, _ in compiled.programs if ph == "generate"}
     full = generate["decode"]
     views = {v: generate[view_program_name(*v)] for v in layout.views}
-    runs = {"decode": replay.chunks * r.chunk_tokens, "admit": replay.admits}
+    runs = {"decode": replay.chunks * r.chunk_steps, "admit": replay.admits}
     if not views:
         return runs, None
     view_cost = view_cost_model(
@@ -328,7 +328,7 @@ def _engine_runs(
         layout.local_slots,
         r.max_new_tokens,
         cfg.data.max_prompt_length,
-        r.chunk_tokens,
+        r.chunk_steps,
         layout.kv_bytes,
     )
     total = full.scale(0.0)

@@ -27,6 +27,20 @@ def _constrain(x: jax.Array, mesh: Mesh | None, rules: Rules | None) -> jax.Arra
     return jax.lax.with_sharding_constraint(x, activation_sharding(mesh, rules, names))
 
 
+def micro_batches_for(rows: int, micro_rows: int | None) -> int:
+    """Micro-batches of at most ``micro_rows`` rows (over every shard) that ``rows`` rows
+    split into: one when they fit in one (or ``micro_rows`` is None: no bound).
+
+    Raises:
+      ValueError: ``rows`` is above ``micro_rows`` and not a multiple of it.
+    """
+    if micro_rows is None or rows <= micro_rows:
+        return 1
+    if rows % micro_rows:
+        raise ValueError(f"{rows} rows do not split into micro-batches of {micro_rows} rows")
+    return rows // micro_rows
+
+
 def split_micro(
     batch: Any, num_micro: int, mesh: Mesh | None, rules: Rules | None, group_size: int = 1
 ) -> Any:

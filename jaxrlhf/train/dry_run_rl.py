@@ -8,7 +8,10 @@ most memory.
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
+import importlib.util
 import math
+import sys
 from typing import Any
 
 import jax
@@ -25,6 +28,7 @@ from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.model_sharding import bytes_per_device, param_shardings
 from jaxrlhf.sharding.reshard import bytes_received
 from jaxrlhf.train.dry_run_phases import EngineLayout, Planner, RoleMemory, sds
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
 from jaxrlhf.train.rl_stream import accelerator_blocker, stream_rows
@@ -40,6 +44,43 @@ def _select(mask: Any, want: bool, *trees: Any) -> list[list[Any]]:
     return [[x for x, f in zip(jax.tree.leaves(t), flags, strict=True) if f == want] for t in trees]
 
 
+def _missing_host_modules(algo: PPOConfig | GRPOConfig, section: str) -> list[str]:
+    """Notes for the reward function's and the environment's modules that this host cannot
+    find (looked up, never imported: the run imports them where it starts)."""
+    paths = {f"{section}.rollout.environment": algo.rollout.environment}
+    if algo.reward.model_dir is None and algo.reward.function not in ("builtin", "environment"):
+        paths[f"{section}.reward.function"] = algo.reward.function
+    notes = []
+    for field, path in paths.items():
+        if path is None:
+            continue
+        module = path.rpartition(".")[0]
+        try:
+            found = module_exists(module)
+        except Exception as e:  # a finder's own error: say so, the plan goes on
+            notes.append(f"{field}: cannot look up module {module!r} here ({e})")
+            continue
+        if not found:
+            notes.append(f"{field}: no module {module!r} on this host; a run here would stop")
+    return notes
+
+
+def module_exists(name: str) -> bool:
+    """Whether the module ``name`` (dotted) can be found, without importing it or its parent
+    packages (which would run their code): the top-level name by the import system's
+    finders, each submodule in its parent package's directories."""
+    if name in sys.modules:
+        return True
+    parts = name.split(".")
+    spec = importlib.util.find_spec(parts[0])  # a top-level name: nothing is imported
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        full = ".".join(parts[:depth])
+        spec = importlib.machinery.PathFinder.find_spec(full, spec.submodule_search_locations)
+    return spec is not None
+
+
 def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfig | None, str]:
     """The run's RLPrograms on abstract shapes: the sampler compiled as on an accelerator
     (no CPU weight blocks), one stop id (the tokenizer's EOS, unread here)."""
@@ -49,6 +90,7 @@ def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfi
         rm_model, note = pl.arch(algo.reward.model_dir, f"{pl.cfg.algorithm}.reward.model_dir")
     else:
         pl.notes.append(f"reward: {algo.reward.function!r} runs on the host (not loaded here)")
+    pl.notes.extend(_missing_host_modules(algo, pl.cfg.algorithm))
     sampling = sampling_params(algo)  # shapes only: a stop id is always one entry
     programs = build_rl_programs(
         pl.cfg,
@@ -424,18 +466,21 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
     (policy_params, ref_params, value_params), passed = models
     length = pl.cfg.data.max_prompt_length + r.max_new_tokens
     shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
-    micro = stream_rows(r.rows, r.num_samples, shards)
+    micro = stream_rows(r.rows, r.num_samples, shards, programs.layout.rl.score_micro_rows)
     live = [*pl.generate_live, "engine.decode_weights", "engine.state"]
     # Every micro-batch scored before the last is whole (the last is padded to the size),
     # and the one being scored is the program's own output.
     held = (math.ceil(r.rows / micro) - 1) * micro
     if held:
-        held_forwards = jax.eval_shape(
+        one = jax.eval_shape(  # one streamed micro-batch's forwards, widened to the held rows
             lambda *a: programs.score_forwards(*a, None),
             policy_params,
             ref_params,
             value_params,
-            _learner_rows(programs, held, length, packed=False),
+            _learner_rows(programs, micro, length, packed=False),
+        )
+        held_forwards = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((held, *a.shape[1:]), a.dtype), one
         )
         pl.add(
             "score.streamed",
@@ -510,7 +555,7 @@ def _plan_reference_apart(pl, programs, held, rows: int, length: int) -> None:
         (ref, batch, packed),
         live=[*held, *copies],
         passed=["reference.params"],
-        runs=programs.reference_planner.score_micro,  # map_micro's scan body is one micro-batch
+        runs=programs.layout.reference_rl.score_micro,  # map_micro's scan body: a micro-batch
         group="reference_group" if own else "",
     )
 

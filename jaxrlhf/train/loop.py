@@ -93,7 +93,7 @@ def build_trainer(
     *,
     mesh: Mesh | None = None,
     source: str = "<config>",
-    override_paths: tuple[str, ...] = (),
+    override_paths: Sequence[str] | Mapping[str, str] = (),
     layout: RunLayout | None = None,
 ) -> SupervisedTrainer | RLTrainer:
     """The trainer of ``cfg``'s algorithm, validated, loaded and jitted (see
@@ -335,7 +335,15 @@ def run(
     with RunLock(run_dir):
         files = config_files(source, override_paths)
         try:
-            return _run(cfg, layout, run_dir, mesh=mesh, source=source, files=files)
+            return _run(
+                cfg,
+                layout,
+                run_dir,
+                mesh=mesh,
+                source=source,
+                override_paths=override_paths,
+                files=files,
+            )
         except (OutOfDeviceMemory, TrainingDiverged, Preempted) as e:
             stop = e
     raise _without_frames(stop)
@@ -366,12 +374,15 @@ def _run(
     *,
     mesh: Mesh | None,
     source: str,
+    override_paths: Sequence[str] | Mapping[str, str],
     files: str,
 ) -> RunResult:
     """:func:`run` once the run directory is held (``files``: every config file it merged)."""
     main = jax.process_index() == 0
     ckpt, resume_step = open_checkpointer(cfg.checkpoint, run_dir)
-    trainer = build_trainer(cfg, mesh=mesh, source=source, layout=layout)
+    trainer = build_trainer(
+        cfg, mesh=mesh, source=source, override_paths=override_paths, layout=layout
+    )
     history: list[dict[str, Any]] = []
     window = _Window()
     if resume_step is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrlhf.losses import AGGREGATIONS, IS_LEVELS, IS_MODES, KL_ESTIMATORS
+from jaxrlhf.sharding.micro_batches import micro_batches_for
 
 GRPO_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 ENGINES = ("static", "continuous")
@@ -63,8 +64,10 @@ class RolloutConfig:
         ``chunk_tokens`` and wins on short budgets; continuous wins when response lengths
         are long-tailed and the budget long (benchmarks/RESULTS.md, G2).
       slots: the engine's decode slots (None: every row of the iteration at once); a
-        multiple of ``num_samples`` and of the sampler's data shards.
-      chunk_tokens: the engine's decode steps between two hand-outs / admissions.
+        multiple of ``num_samples`` and of the sampler's data shards, at most the rows the
+        iteration starts.
+      chunk_tokens: the engine's decode steps between two hand-outs / admissions (at most
+        ``max_new_tokens`` run: a longer chunk would decode nothing after them).
       oversample_groups: the engine starts this many extra prompts and keeps the first
         ``prompts_per_step`` groups to finish, cancelling the rest (the long tail's cut);
         the count cut is logged.
@@ -91,8 +94,10 @@ class RolloutConfig:
         observations are appended to the sequence, out of the loss and the KL. None:
         single-turn. ``max_new_tokens`` is then the episode's budget (model and observation
         tokens together). Streamed scoring is off with an environment.
-      max_turns: model turns per episode at most.
-      turn_tokens: a model turn's token budget (None: the episode's).
+      max_turns: model turns per episode at most (with ``environment`` only, as are the
+        next two).
+      turn_tokens: a model turn's token budget, at most ``max_new_tokens`` (None: the
+        episode's).
       env_timeout_s: an environment step that takes longer ends its episode with an error
         observation and reward 0.
       max_staleness: asynchronous RL: the sampler produces the next batches with weights up
@@ -195,6 +200,24 @@ class RolloutConfig:
                 )
         if self.oversample_groups < 0:
             raise ValueError(f"oversample_groups: must be >= 0, got {self.oversample_groups}")
+        started = self.started_prompts * self.num_samples
+        if self.slots is not None and self.slots > started:
+            raise ValueError(
+                f"slots: {self.slots} exceed the {started} rows an iteration starts "
+                f"((prompts_per_step + oversample_groups) x num_samples); the other slots' KV "
+                "cache would never be used"
+            )
+        if self.environment is not None:
+            _check_dotted_path(self, "environment")
+        else:
+            for name in ("max_turns", "turn_tokens", "env_timeout_s"):
+                if getattr(self, name) != _ROLLOUT_DEFAULTS[name]:
+                    raise ValueError(f"{name}: applies to multi-turn episodes; set environment")
+        if self.turn_tokens is not None and self.turn_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"turn_tokens: {self.turn_tokens} exceeds max_new_tokens = "
+                f"{self.max_new_tokens}, the whole episode's budget"
+            )
         if self.slots is not None and self.slots % self.num_samples:
             raise ValueError(
                 f"slots: {self.slots} do not hold whole groups of num_samples={self.num_samples}"
@@ -221,6 +244,27 @@ class RolloutConfig:
     def started_prompts(self) -> int:
         """Prompts drawn per iteration: ``prompts_per_step`` plus the over-sampled ones."""
         return self.prompts_per_step + self.oversample_groups
+
+    @property
+    def engine_slots(self) -> int:
+        """The engine's decode slots: ``slots``, or every row the iteration starts."""
+        return self.slots or self.started_prompts * self.num_samples
+
+    @property
+    def chunk_steps(self) -> int:
+        """Decode steps in one engine chunk: ``chunk_tokens``, at most ``max_new_tokens``
+        (a row admitted before a chunk ends within it; later steps would decode nothing)."""
+        return min(self.chunk_tokens, self.max_new_tokens)
+
+
+def _check_dotted_path(cfg: object, name: str) -> None:
+    """``cfg.name`` is a dotted path ``module.attr`` (imported where the run starts)."""
+    path = getattr(cfg, name)
+    if "." not in path or not all(path.split(".")):
+        raise ValueError(f"{name}: {path!r} is not a dotted path module.attr")
+
+
+_ROLLOUT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -371,6 +415,8 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if (self.function is None) == (self.model_dir is None):
             raise ValueError("set exactly one of reward.function and reward.model_dir")
+        if self.function not in (None, "builtin", "environment"):
+            _check_dotted_path(self, "function")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"clip: must be > 0 or null, got {self.clip}")
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
@@ -547,6 +593,8 @@ class RLLayout:
     Attributes:
       num_micro: gradient-accumulation micro-batches per minibatch of the update.
       score_micro: scoring forwards per rollout (``rollout.score_micro_batch_size``).
+      score_micro_rows: rows (over every data shard) in one scoring forward; None: each
+        scoring call (the whole rollout, or a streamed batch) is one forward.
       groups: where prompt groups are packed (:class:`GroupSizes`); with sequence packing in
         a phase, its micro-batches still take whole groups (so rows with one prompt can
         share it) but the forward packs sequences instead.
@@ -561,12 +609,20 @@ class RLLayout:
 
     num_micro: int
     score_micro: int
+    score_micro_rows: int | None
     groups: GroupSizes
     reuse_policy_forward: bool
     reuse_value_forward: bool
     updates: int
     packing: PackSizes = PackSizes()
     notes: tuple[str, ...] = ()
+
+    def score_micro_of(self, rows: int) -> int:
+        """Scoring forwards over ``rows`` rows, each at most ``score_micro_rows``:
+        ``score_micro`` for the whole rollout; a streamed batch's share
+        (``rl_stream.stream_rows`` sizes a batch above ``score_micro_rows`` in whole
+        micro-batches)."""
+        return micro_batches_for(rows, self.score_micro_rows)
 
 
 def score_layout(algo: PPOConfig | GRPOConfig, section: str, shards: int) -> RLLayout:
@@ -595,6 +651,7 @@ def score_layout(algo: PPOConfig | GRPOConfig, section: str, shards: int) -> RLL
         reuse_value_forward=False,
         updates=0,
         packing=PackSizes(score=packing.score),
+        score_micro_rows=_score_micro_rows(algo, shards),
     )
 
 
@@ -655,6 +712,11 @@ def _score_micro_batches(algo: PPOConfig | GRPOConfig, section: str, shards: int
             f"divide the {rows} rollout rows over {shards} data shard(s)"
         )
     return rows // (micro * shards)
+
+
+def _score_micro_rows(algo: PPOConfig | GRPOConfig, shards: int) -> int | None:
+    micro = algo.rollout.score_micro_batch_size
+    return None if micro is None else micro * shards
 
 
 def _group_sizes(
@@ -734,4 +796,5 @@ def rl_layout(
         updates=iterations * algo.loss.epochs * algo.loss.num_minibatches,
         packing=packing,
         notes=notes + pack_notes,
+        score_micro_rows=_score_micro_rows(algo, shards),
     )

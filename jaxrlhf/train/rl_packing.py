@@ -28,7 +28,7 @@ import numpy as np
 from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.packing import PlanStats, RowPacking, bucket_for, plan_rows
 from jaxrlhf.sharding.distributed import to_host
-from jaxrlhf.sharding.micro_batches import split_micro
+from jaxrlhf.sharding.micro_batches import micro_batches_for, split_micro
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig, RLLayout
 from jaxrlhf.train.rl_steps import epoch_row_order
 
@@ -71,7 +71,8 @@ class PackingPlanner:
       share_prompts: rows with one prompt may share a copy of it (``rollout.shared_prefix``).
       score_rows, update_rows: rows per data shard in each micro-batch of the phase; 0 =
         not packed (``RLLayout.packing``).
-      score_micro, score_group: the scoring micro-batches and their row groups.
+      score_micro_rows, score_group: rows (over every shard) in one scoring micro-batch
+        (None: no bound, ``RLLayout.score_micro_rows``) and its row groups.
       epochs, num_minibatches, num_micro, update_group: the update's loop and row groups.
     """
 
@@ -80,7 +81,7 @@ class PackingPlanner:
     buckets: int
     share_prompts: bool
     score_rows: int
-    score_micro: int
+    score_micro_rows: int | None
     score_group: int
     update_rows: int
     epochs: int
@@ -100,7 +101,7 @@ class PackingPlanner:
             buckets=r.pack_buckets,
             share_prompts=r.shared_prefix,
             score_rows=rl.packing.score,
-            score_micro=rl.score_micro,
+            score_micro_rows=rl.score_micro_rows,
             score_group=rl.groups.score,
             update_rows=rl.packing.update,
             epochs=loss.epochs,
@@ -144,13 +145,14 @@ class PackingPlanner:
         if not self.score_rows:
             return None
         rows, length = mask.shape
-        per_shard = rows // (self.score_micro * self.shards)
+        num_micro = micro_batches_for(rows, self.score_micro_rows)
+        per_shard = rows // (num_micro * self.shards)
         if per_shard < 2:
             return None
-        micro = split_micro(np.arange(rows), self.score_micro, None, None, self.score_group)
+        micro = split_micro(np.arange(rows), num_micro, None, None, self.score_group)
         packing, stats = self._plan(tokens, mask, micro)
         m = bucket_for(stats.needed, per_shard, self.buckets)
-        slots = self.score_micro * self.shards * m * length
+        slots = num_micro * self.shards * m * length
         if slots > self._unpacked_slots(mask.shape, self.score_group):
             return None
         return PhasePlan(packing=packing, rows=m, slots=slots, tokens=float(stats.tokens))

@@ -222,15 +222,25 @@ def _reward_program(
     params_sh = param_shardings(reward_model, mesh, rm_rules, "scalar")
     rows2 = steps.batch_sharding(mesh, score_rules, 2)
     rows1 = steps.batch_sharding(mesh, score_rules, 1)
-    program = jax.jit(
-        functools.partial(
-            reward_model_scores,
+
+    def scores(
+        params: Any, tokens: jax.Array, mask: jax.Array, plan: Any, packed_rows: int | None
+    ) -> jax.Array:
+        return reward_model_scores(
             forward,
-            num_micro=rl.score_micro,
+            params,
+            tokens,
+            mask,
+            plan,
+            packed_rows,
+            num_micro=rl.score_micro_of(tokens.shape[0]),  # the rollout, or a streamed batch
             mesh=mesh,
             rules=score_rules,
             group_size=rl.groups.score,
-        ),
+        )
+
+    program = jax.jit(
+        scores,
         in_shardings=(params_sh, rows2, rows2, None),  # a plan (or None) comes placed
         out_shardings=rows1,
         static_argnums=4,  # packed_rows
@@ -281,7 +291,7 @@ def _reference_apart_program(
         return map_micro(
             lambda x: f.logprobs(params, x.tokens, x.mask, x.packing)[0],
             rows,
-            ref_rl.score_micro,
+            ref_rl.score_micro_of(rows.tokens.shape[0]),
             mesh,
             row_rules,
             ref_rl.groups.score,
@@ -327,7 +337,7 @@ def _scoring(
         if value is None or rl.reuse_value_forward or critic_apart
         else scoring(value.module),
         has_critic=value is not None,
-        num_micro=rl.score_micro,
+        micro_rows=rl.score_micro_rows,
         row_group=group,
         mesh=mesh,
         rules=rules_for("policy", "score"),
@@ -497,7 +507,7 @@ def _values_program(
         return map_micro(
             lambda r: f.values(params, r.tokens, r.mask, r.packing),
             rows,
-            rl.score_micro,
+            rl.score_micro_of(rows.tokens.shape[0]),
             mesh,
             rules,
             rl.groups.score,
@@ -517,5 +527,4 @@ def _engine(algo: PPOConfig | GRPOConfig, sampler: Sampler) -> Engine | None:
     r = algo.rollout
     if r.engine != "continuous":
         return None
-    slots = r.slots or r.started_prompts * r.num_samples
-    return Engine(sampler, slots=slots, chunk=r.chunk_tokens)
+    return Engine(sampler, slots=r.engine_slots, chunk=r.chunk_steps)

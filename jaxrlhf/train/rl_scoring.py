@@ -23,7 +23,7 @@ from jaxrlhf.config import RunConfig
 from jaxrlhf.models.lora import combine
 from jaxrlhf.models.packing import PackedShape, RowPacking
 from jaxrlhf.models.scoring import RolloutForward
-from jaxrlhf.sharding.micro_batches import map_micro
+from jaxrlhf.sharding.micro_batches import map_micro, micro_batches_for
 from jaxrlhf.sharding.rules import Rules
 from jaxrlhf.train import rl_steps, steps
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
@@ -46,7 +46,9 @@ class Scoring:
     Reference log-probs always; old log-probs unless the policy's update forward stands in;
     for PPO the critic's values, GAE advantages and returns (or only the per-token rewards
     when the critic's update forward runs GAE); for GRPO the group advantages.
-    ``row_group``: the rows each scoring micro-batch keeps together (prompt groups).
+    ``micro_rows``: rows (over every shard) in one scoring forward, None: no bound
+    (``RLLayout.score_micro_rows``); ``row_group``: the rows each scoring micro-batch keeps
+    together (prompt groups).
     """
 
     algo: PPOConfig | GRPOConfig
@@ -54,7 +56,7 @@ class Scoring:
     policy: RolloutForward | None  # None: reuse_policy_forward
     value: RolloutForward | None  # None: GRPO, or reuse_value_forward
     has_critic: bool
-    num_micro: int
+    micro_rows: int | None
     row_group: int
     mesh: Mesh
     rules: Rules
@@ -68,11 +70,11 @@ class Scoring:
         rows: RolloutRows,
         packed_rows: int | None = None,
     ) -> Scored:
-        """The scoring forwards, ``num_micro`` micro-batches of whole groups at a time;
-        sequence-packed forwards pack into ``packed_rows`` rows per shard (static; None: the
-        rows run unpacked, and ``rows.packing`` is None). With a Hydra critic (``joint``)
-        the old log-probs and values come from one forward of the shared trunk and both
-        branches."""
+        """The scoring forwards, micro-batches of at most ``micro_rows`` rows (whole groups)
+        at a time; sequence-packed forwards pack into ``packed_rows`` rows per shard
+        (static; None: the rows run unpacked, and ``rows.packing`` is None). With a Hydra
+        critic (``joint``) the old log-probs and values come from one forward of the shared
+        trunk and both branches."""
         scoring = self.with_packed_rows(packed_rows)
 
         def run(r: RolloutRows) -> Scored:
@@ -95,7 +97,8 @@ class Scoring:
                 values = scoring.value.values(value_params, r.tokens, r.mask, r.packing)
             return Scored(ref_logprobs=ref, old_logprobs=old, old_values=values)
 
-        return map_micro(run, rows, self.num_micro, self.mesh, self.rules, self.row_group)
+        num_micro = micro_batches_for(rows.tokens.shape[0], self.micro_rows)
+        return map_micro(run, rows, num_micro, self.mesh, self.rules, self.row_group)
 
     def with_packed_rows(self, rows: int | None) -> Scoring:
         """These forwards packing sequences into ``rows`` packed rows per shard, or (None)

@@ -97,11 +97,26 @@ def accelerator_blocker(engine_mesh: Mesh, scoring_mesh: Mesh) -> str | None:
     )
 
 
-def stream_rows(rows: int, group: int, shards: int) -> int:
+def stream_rows(rows: int, group: int, shards: int, micro_rows: int | None = None) -> int:
     """Rows per streamed micro-batch: whole groups over whole data shards, about a quarter of
-    the rollout (so scoring starts once a quarter has finished)."""
+    the rollout (so scoring starts once a quarter has finished).
+
+    With a bound of ``micro_rows`` rows per scoring forward (``RLLayout.score_micro_rows``;
+    ``rows`` is a whole number of them, the config checks it), a batch above the bound is
+    cut to whole forwards: the most whole forwards of whole groups and shards within the
+    quarter, else the largest batch of whole groups and shards in one forward, else (groups
+    larger than a forward) the fewest whole forwards of whole groups above the quarter.
+    """
     unit = math.lcm(group, shards)
-    return min(rows, unit * max(1, math.ceil(rows / (4 * unit))))
+    size = min(rows, unit * max(1, math.ceil(rows / (4 * unit))))
+    if micro_rows is None or size <= micro_rows:
+        return size
+    whole = math.lcm(unit, micro_rows)
+    if whole <= size:
+        return size // whole * whole
+    if unit <= micro_rows:
+        return micro_rows // unit * unit
+    return min(rows, whole * math.ceil(size / whole))
 
 
 @dataclasses.dataclass(frozen=True)

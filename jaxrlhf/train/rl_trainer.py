@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import losses
-from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section, validate
+from jaxrlhf.config import ConfigError, RunConfig, RunLayout, rl_section, source_of, validate
 from jaxrlhf.data import BatchIterator, TokenizedDataset, load_datasets, load_tokenizer
 from jaxrlhf.data.sources import BUILTIN_PREFIX
 from jaxrlhf.data.tokenizer import Tokenizer
@@ -50,6 +51,7 @@ from jaxrlhf.models import shared_prefix
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import save_hf
 from jaxrlhf.rewards import (
+    RewardError,
     RewardFn,
     call_reward_fn,
     overlong_penalty,
@@ -371,7 +373,7 @@ class RLTrainer:
         stream = None
         if r.stream_scoring and self.env_factory is None:
             shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
-            micro = stream_rows(r.rows, r.num_samples, shards)
+            micro = stream_rows(r.rows, r.num_samples, shards, programs.layout.rl.score_micro_rows)
             stream = StreamedScoring(self, prompts, micro, self.stream_blocker is None)
             timings["rollout/stream_concurrent"] = float(stream.concurrent)
         start = time.perf_counter()
@@ -991,7 +993,7 @@ def build_rl_trainer(
     *,
     mesh: Mesh | None = None,
     source: str = "<config>",
-    override_paths: tuple[str, ...] = (),
+    override_paths: Sequence[str] | Mapping[str, str] = (),
     layout: RunLayout | None = None,
 ) -> RLTrainer:
     """Validates ``cfg`` (unless its ``layout`` is given), loads prompts, models and reward,
@@ -1022,15 +1024,17 @@ def build_rl_trainer(
     tokenizer = load_tokenizer(cfg.tokenizer)
     train_prompts, _ = load_datasets("prompt", cfg.data, tokenizer, cfg.tokenizer)
     reward_fn = rm_cfg = task_fn = env_factory = None
-    if algo.rollout.environment is not None:
-        try:
+    try:
+        if algo.rollout.environment is not None:
             env_factory = resolve_environment(algo.rollout.environment)
-        except EnvError as e:
-            raise ConfigError(f"{source}: {cfg.algorithm}.{e}") from None
+        if algo.reward.model_dir is None and algo.reward.function != "environment":
+            reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
+    except (EnvError, RewardError) as e:  # "rollout.environment: ..." / "reward.function: ..."
+        field = f"{cfg.algorithm}.{str(e).partition(': ')[0]}"
+        where = source_of(source, override_paths, field)
+        raise ConfigError(f"{where}: {cfg.algorithm}.{e}") from None
     if algo.reward.model_dir is not None:
         rm_cfg = reward_model_config(cfg, source)
-    elif algo.reward.function != "environment":
-        reward_fn = resolve_reward_fn(algo.reward.function, cfg.data.train)
     if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
         task_fn = reward_fn if algo.reward.function == "builtin" else None
         task_fn = task_fn or resolve_reward_fn("builtin", cfg.data.train)
@@ -1074,6 +1078,8 @@ def build_rl_trainer(
             cfg.data.max_prompt_length,
             seed=cfg.data.seed,
             shuffle=cfg.data.shuffle,
+            batch_from=f"{cfg.algorithm}.rollout.prompts_per_step"
+            + (" + oversample_groups" if algo.rollout.oversample_groups else ""),
         ),
         reward_fn=reward_fn,
         task_fn=task_fn,

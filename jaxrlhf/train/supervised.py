@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -425,7 +425,7 @@ def build_supervised_trainer(
     *,
     mesh: Mesh | None = None,
     source: str = "<config>",
-    override_paths: tuple[str, ...] = (),
+    override_paths: Sequence[str] | Mapping[str, str] = (),
     layout: RunLayout | None = None,
 ) -> SupervisedTrainer:
     """Validates ``cfg`` (unless its ``layout`` is given), loads data and model, and builds
@@ -488,6 +488,7 @@ def build_supervised_trainer(
             cfg.data.max_length,
             seed=cfg.data.seed,
             shuffle=cfg.data.shuffle,
+            batch_from="train.batch_size",
         ),
         state=init_state(params, programs.learner.optimizer, programs.state_shardings),
         key=step_key,

@@ -82,3 +82,9 @@ def test_eval_batches_pad_the_last_batch():
 def test_fewer_examples_than_a_batch():
     with pytest.raises(DataError, match=r"t: 10 usable examples, fewer than one batch of 16"):
         BatchIterator(_dataset(10), 16, 16)
+
+
+def test_a_too_small_dataset_names_the_batch_setting():
+    match = r"t: 10 usable examples, fewer than one batch of 16 \(grpo.rollout.prompts_per_step\)"
+    with pytest.raises(DataError, match=match):
+        BatchIterator(_dataset(10), 16, 16, batch_from="grpo.rollout.prompts_per_step")

@@ -269,7 +269,7 @@ def test_streamed_batches_plan_on_their_own_rows():
         buckets=4,
         share_prompts=False,
         score_rows=16,
-        score_micro=1,
+        score_micro_rows=None,
         score_group=1,
         update_rows=0,
         epochs=1,
@@ -291,3 +291,34 @@ def test_streamed_batches_plan_on_their_own_rows():
         "packing/score_fill": 16 / 36,
     }
     assert rl_packing.streamed_score_metrics([None], [(24.0, 8.0)]) == {}
+
+
+def test_a_streamed_batch_above_the_scoring_bound_plans_each_forward():
+    """8 rows of T = 6 (P = 2) in groups of 2 (one prompt token each, shared), a bound of
+    4 rows per scoring forward over 2 data shards: 2 forwards, group g in forward g % 2,
+    each shard's block one group. A block needs 1 prompt + 2 response tokens, so 1 packed
+    row: 2 forwards x 2 shards x 1 row x 6 = 24 slots, and the rows of a group share their
+    prompt's slot."""
+    planner = rl_packing.PackingPlanner(
+        prompt_len=2,
+        shards=2,
+        buckets=4,
+        share_prompts=True,
+        score_rows=4,
+        score_micro_rows=4,
+        score_group=2,
+        update_rows=0,
+        epochs=1,
+        num_minibatches=1,
+        num_micro=1,
+        update_group=1,
+    )
+    mask = np.zeros((8, 6), bool)
+    mask[:, 1:3] = True
+    tokens = np.where(mask, 7, 0).astype(np.int32)
+    tokens[:, 1] = np.repeat(np.arange(4), 2) + 10  # each group's own prompt
+    plan = planner.score(tokens, mask)
+    assert (plan.rows, plan.slots, plan.tokens) == (1, 24, 12.0)
+    np.testing.assert_array_equal(plan.packing.row, np.zeros(8))
+    prompt = np.asarray(plan.packing.prompt_slot).reshape(4, 2)
+    np.testing.assert_array_equal(prompt[:, 0], prompt[:, 1])  # shared within each group

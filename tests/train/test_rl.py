@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxrlhf.config import ConfigError, load_config
+from jaxrlhf.config import ConfigError, load_config, override_paths
 from jaxrlhf.models import model as M
-from jaxrlhf.rewards import RewardError
 from jaxrlhf.sharding import MeshConfig, make_mesh
 from jaxrlhf.train.rl_config import GroupSizes
 from jaxrlhf.train.rl_metrics import flops_per_token
@@ -356,13 +355,19 @@ def test_grpo_needs_groups(tmp_path):
 
 
 def test_reward_function_errors(tmp_path):
-    cfg, src = _config(tmp_path, "grpo", "grpo.reward.function=no_such_module.score")
-    with pytest.raises(RewardError, match="cannot import 'no_such_module.score'"):
-        build_rl_trainer(cfg, source=src)
+    """A reward function that does not resolve is a config error naming the field and
+    where it was set (here the command line)."""
+    overrides = ["grpo.reward.function=no_such_module.score"]
+    cfg, src = _config(tmp_path, "grpo", *overrides)
+    with pytest.raises(
+        ConfigError,
+        match=r"^command line: grpo.reward.function: cannot import 'no_such_module.score'",
+    ):
+        build_rl_trainer(cfg, source=src, override_paths=override_paths(overrides))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "sort 312:"}\n{"prompt": "sort 97:"}\n' * 4)
     cfg, src = _config(tmp_path, "grpo", f"data.train={prompts}")
-    with pytest.raises(RewardError, match="'builtin' needs a built-in dataset"):
+    with pytest.raises(ConfigError, match="grpo.reward.function: 'builtin' needs a built-in"):
         build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
 
 

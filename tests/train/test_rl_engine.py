@@ -94,6 +94,39 @@ def test_streamed_ppo_scoring_equals_unstreamed(tmp_path, models):
         )
 
 
+@pytest.mark.parametrize("micro", [8, 2])
+def test_streamed_scoring_keeps_the_score_micro_batch_size(tmp_path, micro):
+    """PPO with a critic and a reward model, 4 prompts x 4 samples and
+    ``score_micro_batch_size``: the rollout scores in micro-batches of ``micro`` rows, a
+    streamed batch (4 rows, a quarter) in one forward (8: it fits) or in 2 of 2 rows. Both
+    equal the unstreamed iteration with the same setting (1e-5, as above); before, the
+    streamed batch was split like the whole rollout and did not reshape."""
+    from jaxrlhf.models import model as M
+    from jaxrlhf.models.config import ModelConfig
+    from jaxrlhf.models.hf_checkpoint import save_hf
+
+    rm_dir = str(tmp_path / "rm")
+    tiny = ModelConfig.tiny()
+    save_hf(rm_dir, tiny, M.init_params(tiny, jax.random.key(3), head="scalar"), head="scalar")
+    common = (
+        "ppo.rollout.engine=continuous",
+        "ppo.rollout.slots=8",
+        "ppo.rollout.chunk_tokens=2",
+        "ppo.rollout.num_samples=4",
+        "train.micro_batch_size=8",
+        "ppo.reward.function=null",
+        f"ppo.reward.model_dir={rm_dir}",
+        f"ppo.rollout.score_micro_batch_size={micro}",
+    )
+    streamed = _iteration(tmp_path, *common, algorithm="ppo")
+    after = _iteration(tmp_path, *common, "ppo.rollout.stream_scoring=false", algorithm="ppo")
+    assert streamed[1]["time/score_streamed_s"] > 0
+    assert streamed[0].layout.rl.score_micro == 16 // micro
+    assert np.ptp(streamed[3].scores) > 1e-3  # the reward model scores rows differently
+    np.testing.assert_allclose(streamed[3].scores, after[3].scores, atol=1e-5)
+    _assert_close(streamed, after, (*METRICS, "loss/value", "value/explained_var"))
+
+
 def test_oversampling_keeps_prompts_per_step_groups(tmp_path):
     trainer, metrics, *_ = _iteration(tmp_path, *ENGINE, "grpo.rollout.oversample_groups=2")
     assert metrics["rollout/aborted_groups"] == 2
@@ -109,12 +142,66 @@ def test_oversampling_keeps_prompts_per_step_groups(tmp_path):
         (ENGINE[:1] + ("grpo.rollout.slots=6",), "slots: 6 do not hold whole groups of"),
         (ENGINE[:1] + ("grpo.rollout.token_budget=10",), "token_budget: 10 is less than"),
         (["grpo.rollout.engine=paged"], "engine: expected one of ['static', 'continuous']"),
+        (
+            ENGINE[:1] + ("grpo.rollout.slots=32",),
+            "grpo.rollout.slots: 32 exceed the 16 rows an iteration starts",
+        ),
+        (
+            ENGINE[:1] + ("grpo.rollout.environment=a.Env", "grpo.rollout.turn_tokens=7"),
+            "grpo.rollout.turn_tokens: 7 exceeds max_new_tokens = 6",
+        ),
+        (
+            ENGINE[:1] + ("grpo.rollout.turn_tokens=3",),
+            "grpo.rollout.turn_tokens: applies to multi-turn episodes; set environment",
+        ),
+        (
+            ["grpo.rollout.max_turns=2"],
+            "grpo.rollout.max_turns: applies to multi-turn episodes; set environment",
+        ),
+        (
+            ENGINE[:1] + ("grpo.rollout.environment=Env",),
+            "grpo.rollout.environment: 'Env' is not a dotted path module.attr",
+        ),
+        (
+            ["grpo.reward.function=score"],
+            "grpo.reward.function: 'score' is not a dotted path module.attr",
+        ),
+        (["rollout.slots=4"], "rollout: unknown key (did you mean ppo.rollout or grpo.rollout?"),
     ],
 )
 def test_engine_settings_errors_are_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as e:
         _config(tmp_path, "grpo", *overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unset_slots_that_do_not_split_blame_what_sets_them(tmp_path):
+    """Slots unset: one per started row, (4 + 5) x 4 = 36, which 8 data shards do not
+    split; the error names oversample_groups and says to set slots."""
+    from jaxrlhf.config import validate
+
+    overrides = (*ENGINE[:1], "grpo.rollout.oversample_groups=5", "mesh.data=8")
+    cfg, src = _config(tmp_path, "grpo", *overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 8, source=src)
+    assert "grpo.rollout.oversample_groups: the engine's slots (unset: one per started row" in (
+        str(e.value)
+    )
+    assert "= 36) do not split over the sampler's 8 data shard(s); set grpo.rollout.slots" in (
+        str(e.value)
+    )
+
+
+def test_engine_chunks_run_at_most_max_new_tokens_steps(tmp_path):
+    """chunk_tokens above max_new_tokens (6): each chunk runs 6 steps (a row admitted before
+    a chunk ends within it); the dry run's note says so."""
+    from jaxrlhf.train import dry_run
+
+    cfg, src = _config(tmp_path, "grpo", *ENGINE[:2], "grpo.rollout.chunk_tokens=100")
+    assert cfg.grpo.rollout.chunk_steps == 6
+    report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
+    (note,) = [n for n in report.notes if n.startswith("rollout engine")]
+    assert "6 steps per chunk" in note
 
 
 def test_dry_run_plans_the_engine(tmp_path):
@@ -187,6 +274,54 @@ def test_dry_run_holds_whole_streamed_micro_batches(tmp_path):
     )
     extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
     assert by_name["score (streamed)"].state_bytes == by_name["decode"].state_bytes + extra
+
+
+@pytest.mark.parametrize("micro", [2, 8])
+def test_dry_run_plans_streamed_scoring_under_a_score_micro_batch_size(tmp_path, micro):
+    """16 rows scored in micro-batches of 2 or 8: a streamed batch (4 rows) runs 2 forwards
+    of 2 rows, or one; the dry run compiles it at its own rows (it used to split them like
+    the rollout's and fail) and holds the 12 rows scored before the last."""
+    from jaxrlhf.train import dry_run
+
+    overrides = (*ENGINE, f"grpo.rollout.score_micro_batch_size={micro}")
+    cfg, src = _config(tmp_path, "grpo", *overrides)
+    report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
+    by_name = {p.name: p for p in report.programs}
+    streamed, score = by_name["score (streamed)"], by_name["score"]
+    assert 0 < streamed.argument_bytes < score.argument_bytes
+    unbounded, _ = _config(tmp_path, "grpo", *ENGINE)  # the same trees, no bound
+    state, forwards = _streamed_trees(
+        build_rl_trainer(unbounded, mesh=_one_device_mesh(), source=src), 12
+    )
+    extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state, forwards)))
+    assert streamed.state_bytes == by_name["decode"].state_bytes + extra
+
+
+def test_dry_run_notes_host_modules_it_cannot_find(tmp_path, monkeypatch):
+    """The reward function's and the environment's modules are looked up, not imported: a
+    package whose import would fail is found, a missing one is noted (the plan goes on)."""
+    import sys
+
+    from jaxrlhf.train import dry_run
+    from jaxrlhf.train.dry_run_rl import module_exists
+
+    package = tmp_path / "trapped"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (package / "env.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_exists("trapped.env") and module_exists("json.decoder")
+    assert not module_exists("trapped.nope") and not module_exists("nowhere.env")
+    assert "trapped" not in sys.modules
+
+    overrides = ("grpo.rollout.environment=trapped.env.Env", "grpo.reward.function=nowhere.f")
+    cfg, src = _config(tmp_path, "grpo", *ENGINE, *overrides)
+    report = dry_run.plan(cfg, mesh=_one_device_mesh(), source=src)
+    assert not [n for n in report.notes if "rollout.environment" in n]
+    assert "grpo.reward.function: no module 'nowhere' on this host; a run here would stop" in (
+        report.notes
+    )
+    assert "trapped" not in sys.modules
 
 
 def test_dry_run_counts_streamed_scoring_where_it_runs(tmp_path):

@@ -61,6 +61,22 @@ def test_an_environment_that_does_not_import_is_a_config_error(tmp_path):
         _trainer(tmp_path, "grpo.rollout.environment=tests.nope.Env")
 
 
+def test_a_run_names_where_the_environment_was_set(tmp_path):
+    """``python -m jaxrlhf.train`` (``loop.run``) blames the command line for a value set
+    there, not the YAML file."""
+    from jaxrlhf.config import override_paths
+    from jaxrlhf.train import loop
+
+    overrides = [
+        "grpo.rollout.engine=continuous",
+        "grpo.rollout.environment=tests.nope.Env",
+        "grpo.reward.function=environment",
+    ]
+    cfg, src = _config(tmp_path, "grpo", *overrides)
+    with pytest.raises(ConfigError, match="^command line: grpo.rollout.environment: cannot"):
+        loop.run(cfg, source=src, override_paths=override_paths(overrides))
+
+
 # ---- per-turn rewards (PPO) ----------------------------------------------------------------
 
 

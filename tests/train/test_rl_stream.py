@@ -180,3 +180,38 @@ def test_the_dry_run_counts_the_engine_beside_background_scoring(tmp_path, lora)
     assert streamed.resident_bytes == off["score (streamed)"].resident_bytes + own
     assert streamed.state_bytes == off["score (streamed)"].state_bytes
     assert on["score"].resident_bytes == off["score"].resident_bytes  # after the rollout
+
+
+@pytest.mark.parametrize(
+    "rows, group, shards, micro_rows, expected",
+    [
+        (16, 4, 1, None, 4),  # a quarter, whole groups
+        (20, 4, 1, None, 8),  # a quarter (5) rounded up to whole groups
+        (16, 4, 2, None, 4),  # 2 groups of 4 over 2 shards: lcm(4, 2) = 4
+        (16, 4, 1, 8, 4),  # fits one scoring forward of 8 rows
+        (16, 4, 1, 2, 4),  # 2 forwards of 2 rows
+        (24, 2, 1, 4, 4),  # a quarter (6) is not whole forwards of 4: one forward
+        (64, 4, 1, 4, 16),  # a quarter: 4 forwards of 4
+        (40, 5, 1, 8, 5),  # 2 groups of 5 exceed 8, lcm(5, 8) = 40 is all: one group
+        (12, 3, 1, 2, 6),  # a group (3) exceeds a forward (2): lcm(3, 2) = 6, 3 forwards
+        (12, 2, 2, 6, 4),  # a quarter (3) rounded up to lcm(2, 2) = 2: 4 rows fit one of 6
+        (8, 2, 1, 8, 2),  # the rollout in one forward: the batch stays a quarter
+    ],
+)
+def test_stream_rows_are_whole_groups_and_whole_scoring_forwards(
+    rows, group, shards, micro_rows, expected
+):
+    size = rl_stream.stream_rows(rows, group, shards, micro_rows)
+    assert size == expected
+    assert size % group == 0 and size % shards == 0
+    if micro_rows is not None and size > micro_rows:
+        assert size % micro_rows == 0
+
+
+def test_micro_batches_for_splits_only_above_the_bound():
+    from jaxrlhf.sharding.micro_batches import micro_batches_for
+
+    assert [micro_batches_for(r, 4) for r in (2, 4, 8, 16)] == [1, 1, 2, 4]
+    assert micro_batches_for(16, None) == 1
+    with pytest.raises(ValueError, match="6 rows do not split into micro-batches of 4 rows"):
+        micro_batches_for(6, 4)
