@@ -11,6 +11,7 @@ import dataclasses
 import importlib.machinery
 import importlib.util
 import math
+import pkgutil
 import sys
 from typing import Any
 
@@ -68,17 +69,41 @@ def _missing_host_modules(algo: PPOConfig | GRPOConfig, section: str) -> list[st
 def module_exists(name: str) -> bool:
     """Whether the module ``name`` (dotted) can be found, without importing it or its parent
     packages (which would run their code): the top-level name by the import system's
-    finders, each submodule in its parent package's directories."""
-    if name in sys.modules:
+    finders, each submodule in its parent's directories (an imported parent's ``__path__``),
+    namespace packages included."""
+    if sys.modules.get(name) is not None:
         return True
     parts = name.split(".")
     spec = importlib.util.find_spec(parts[0])  # a top-level name: nothing is imported
     for depth in range(2, len(parts) + 1):
-        if spec is None or spec.submodule_search_locations is None:
+        if spec is None:
             return False
-        full = ".".join(parts[:depth])
-        spec = importlib.machinery.PathFinder.find_spec(full, spec.submodule_search_locations)
+        parent = sys.modules.get(".".join(parts[: depth - 1]))
+        locations = getattr(parent, "__path__", None) or spec.submodule_search_locations
+        if locations is None:  # a plain module has no submodules
+            return False
+        spec = _find_in(".".join(parts[:depth]), list(locations))
     return spec is not None
+
+
+def _find_in(name: str, locations: list[str]) -> importlib.machinery.ModuleSpec | None:
+    """The spec of the submodule ``name`` in the directories ``locations`` (each searched by
+    its path entry finder, nothing imported): the first with a loader, else a namespace
+    package of the portions found, else None."""
+    portions = []
+    for entry in locations:
+        finder = pkgutil.get_importer(entry)
+        spec = None if finder is None else finder.find_spec(name)
+        if spec is None:
+            continue
+        if spec.loader is not None:
+            return spec
+        portions.extend(spec.submodule_search_locations or [])
+    if not portions:
+        return None
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = portions
+    return spec
 
 
 def _rl_programs(pl: Planner, layout: RunLayout) -> tuple[RLPrograms, ModelConfig | None, str]:

@@ -42,6 +42,8 @@ class RolloutConfig:
         at once. Bounds scoring's activation memory (the float32 logits of every scored row
         are the peak for large vocabularies) at no change in results. Must divide the rows
         each data shard holds; packing needs whole prompt groups in each scoring micro-batch.
+        A streamed batch (``stream_scoring``) runs as many such forwards as it holds, or one
+        if it holds fewer rows.
       pack_sequences: score and train on the samples' real lengths: each data shard packs
         the rows of a micro-batch (their real tokens only) into fewer rows of ``P + R``
         slots, several sequences per row with block-diagonal attention and reset positions

@@ -162,7 +162,8 @@ def kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | loss
 
 
 def reward_model_config(cfg: RunConfig, source: str) -> ModelConfig:
-    """The reward model's config, checked to be a reward model (a scalar head).
+    """The reward model's config, checked to be a reward model (a scalar head); ``source``:
+    where ``reward.model_dir`` was set (``config.source_of``), for messages.
 
     Raises:
       ConfigError: no readable config.json, or a causal LM given as the reward model.
@@ -183,7 +184,8 @@ def reward_model_config(cfg: RunConfig, source: str) -> ModelConfig:
 
 
 def reward_model_params(cfg: RunConfig, model: ModelConfig, shardings: Any, source: str) -> Any:
-    """The reward model's params in ``shardings``.
+    """The reward model's params in ``shardings`` (``source`` as in
+    :func:`reward_model_config`).
 
     Raises:
       ConfigError: the checkpoint does not load (one line naming ``reward.model_dir``).

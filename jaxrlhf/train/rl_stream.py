@@ -103,20 +103,20 @@ def stream_rows(rows: int, group: int, shards: int, micro_rows: int | None = Non
 
     With a bound of ``micro_rows`` rows per scoring forward (``RLLayout.score_micro_rows``;
     ``rows`` is a whole number of them, the config checks it), a batch above the bound is
-    cut to whole forwards: the most whole forwards of whole groups and shards within the
-    quarter, else the largest batch of whole groups and shards in one forward, else (groups
-    larger than a forward) the fewest whole forwards of whole groups above the quarter.
+    cut to whole forwards of whole groups and shards: the most within the quarter, else the
+    fewest if they are at most half the rollout, else the largest batch of whole groups and
+    shards in one forward, else (a group larger than a forward) the fewest whole forwards.
     """
     unit = math.lcm(group, shards)
     size = min(rows, unit * max(1, math.ceil(rows / (4 * unit))))
     if micro_rows is None or size <= micro_rows:
         return size
-    whole = math.lcm(unit, micro_rows)
+    whole = math.lcm(unit, micro_rows)  # divides rows
     if whole <= size:
         return size // whole * whole
-    if unit <= micro_rows:
-        return micro_rows // unit * unit
-    return min(rows, whole * math.ceil(size / whole))
+    if whole <= rows // 2 or unit > micro_rows:
+        return whole
+    return micro_rows // unit * unit
 
 
 @dataclasses.dataclass(frozen=True)

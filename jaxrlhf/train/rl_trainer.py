@@ -1007,7 +1007,7 @@ def build_rl_trainer(
       layout: ``config.validate``'s result, when the caller has it.
 
     Raises:
-      ConfigError, DataError, CheckpointError, MeshError, RewardError: one-line user errors.
+      ConfigError, DataError, CheckpointError, MeshError: one-line user errors.
     """
     if layout is None:
         layout = validate(
@@ -1033,8 +1033,9 @@ def build_rl_trainer(
         field = f"{cfg.algorithm}.{str(e).partition(': ')[0]}"
         where = source_of(source, override_paths, field)
         raise ConfigError(f"{where}: {cfg.algorithm}.{e}") from None
+    rm_source = source_of(source, override_paths, f"{cfg.algorithm}.reward.model_dir")
     if algo.reward.model_dir is not None:
-        rm_cfg = reward_model_config(cfg, source)
+        rm_cfg = reward_model_config(cfg, rm_source)
     if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
         task_fn = reward_fn if algo.reward.function == "builtin" else None
         task_fn = task_fn or resolve_reward_fn("builtin", cfg.data.train)
@@ -1064,7 +1065,7 @@ def build_rl_trainer(
         )
     rm_params = None
     if rm_cfg is not None:
-        rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, source)
+        rm_params = reward_model_params(cfg, rm_cfg, programs.reward_shardings, rm_source)
     ref_params, apart_ref = states.reference, None
     if programs.reference_apart is not None:  # on the sampler's or its own devices only
         ref_params, apart_ref = None, states.reference

@@ -299,7 +299,8 @@ def test_dry_run_plans_streamed_scoring_under_a_score_micro_batch_size(tmp_path,
 
 def test_dry_run_notes_host_modules_it_cannot_find(tmp_path, monkeypatch):
     """The reward function's and the environment's modules are looked up, not imported: a
-    package whose import would fail is found, a missing one is noted (the plan goes on)."""
+    package whose import would fail is found (and a namespace package inside it), a missing
+    one is noted (the plan goes on)."""
     import sys
 
     from jaxrlhf.train import dry_run
@@ -309,8 +310,11 @@ def test_dry_run_notes_host_modules_it_cannot_find(tmp_path, monkeypatch):
     package.mkdir()
     (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
     (package / "env.py").write_text("")
+    (package / "portion").mkdir()  # a namespace package inside it
+    (package / "portion" / "mod.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert module_exists("trapped.env") and module_exists("json.decoder")
+    assert module_exists("trapped.portion.mod") and not module_exists("trapped.portion.nope")
     assert not module_exists("trapped.nope") and not module_exists("nowhere.env")
     assert "trapped" not in sys.modules
 

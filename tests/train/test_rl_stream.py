@@ -187,12 +187,13 @@ def test_the_dry_run_counts_the_engine_beside_background_scoring(tmp_path, lora)
     [
         (16, 4, 1, None, 4),  # a quarter, whole groups
         (20, 4, 1, None, 8),  # a quarter (5) rounded up to whole groups
-        (16, 4, 2, None, 4),  # 2 groups of 4 over 2 shards: lcm(4, 2) = 4
+        (16, 4, 2, None, 4),  # one group of 4 over 2 shards: lcm(4, 2) = 4
         (16, 4, 1, 8, 4),  # fits one scoring forward of 8 rows
         (16, 4, 1, 2, 4),  # 2 forwards of 2 rows
         (24, 2, 1, 4, 4),  # a quarter (6) is not whole forwards of 4: one forward
         (64, 4, 1, 4, 16),  # a quarter: 4 forwards of 4
         (40, 5, 1, 8, 5),  # 2 groups of 5 exceed 8, lcm(5, 8) = 40 is all: one group
+        (168, 7, 1, 8, 56),  # a quarter (42) exceeds 8; lcm(7, 8) = 56 is at most half
         (12, 3, 1, 2, 6),  # a group (3) exceeds a forward (2): lcm(3, 2) = 6, 3 forwards
         (12, 2, 2, 6, 4),  # a quarter (3) rounded up to lcm(2, 2) = 2: 4 rows fit one of 6
         (8, 2, 1, 8, 2),  # the rollout in one forward: the batch stays a quarter

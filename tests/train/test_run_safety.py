@@ -368,6 +368,9 @@ def test_reward_model_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         loop.build_trainer(missing)
     assert str(e.value) == f"<config>: grpo.reward.model_dir: no config.json in {tmp_path}/no"
+    with pytest.raises(ConfigError) as e:  # set on the command line: blamed there
+        loop.build_trainer(missing, override_paths=("grpo.reward.model_dir",))
+    assert str(e.value).startswith("command line: grpo.reward.model_dir: no config.json")
 
     tiny = ModelConfig.tiny()
     lm_dir = str(tmp_path / "lm")
