@@ -257,26 +257,33 @@ def test_pack_settings_errors_and_notes(tmp_path, caplog):
     )
 
 
-def test_streamed_batches_plan_on_their_own_rows():
-    """Streamed scoring (rl_stream) plans each batch of finished groups alone: 4 rows of
-    T = 6 (P = 2), each 1 prompt + 1 response token, with 16 rows per shard in the whole
-    rollout's micro-batches. Sizes are quarters of the batch's 4 rows (1, 2, 3, 4), not of
-    16: 3 sequences of 2 fit a packed row, so 2 rows, 12 slots against 24 unpacked. Two
-    batches, one packed and one not: 12 + 24 slots, 8 + 8 real tokens."""
-    planner = rl_packing.PackingPlanner(
+def _scoring_planner(
+    *, shards: int, share_prompts: bool, score_rows: int, group: int, bound: int | None = None
+) -> rl_packing.PackingPlanner:
+    """A planner of scoring only (P = 2, 4 buckets; the update unpacked)."""
+    return rl_packing.PackingPlanner(
         prompt_len=2,
-        shards=1,
+        shards=shards,
         buckets=4,
-        share_prompts=False,
-        score_rows=16,
-        score_micro_rows=None,
-        score_group=1,
+        share_prompts=share_prompts,
+        score_rows=score_rows,
+        score_micro_rows=bound,
+        score_group=group,
         update_rows=0,
         epochs=1,
         num_minibatches=1,
         num_micro=1,
         update_group=1,
     )
+
+
+def test_streamed_batches_plan_on_their_own_rows():
+    """Streamed scoring (rl_stream) plans each batch of finished groups alone: 4 rows of
+    T = 6 (P = 2), each 1 prompt + 1 response token, with 16 rows per shard in the whole
+    rollout's micro-batches. Sizes are quarters of the batch's 4 rows (1, 2, 3, 4), not of
+    16: 3 sequences of 2 fit a packed row, so 2 rows, 12 slots against 24 unpacked. Two
+    batches, one packed and one not: 12 + 24 slots, 8 + 8 real tokens."""
+    planner = _scoring_planner(shards=1, share_prompts=False, score_rows=16, group=1)
     mask = np.zeros((4, 6), bool)
     mask[:, 1:3] = True
     tokens = np.where(mask, 7, 0).astype(np.int32)
@@ -299,20 +306,7 @@ def test_a_streamed_batch_above_the_scoring_bound_plans_each_forward():
     each shard's block one group. A block needs 1 prompt + 2 response tokens, so 1 packed
     row: 2 forwards x 2 shards x 1 row x 6 = 24 slots, and the rows of a group share their
     prompt's slot."""
-    planner = rl_packing.PackingPlanner(
-        prompt_len=2,
-        shards=2,
-        buckets=4,
-        share_prompts=True,
-        score_rows=4,
-        score_micro_rows=4,
-        score_group=2,
-        update_rows=0,
-        epochs=1,
-        num_minibatches=1,
-        num_micro=1,
-        update_group=1,
-    )
+    planner = _scoring_planner(shards=2, share_prompts=True, score_rows=4, group=2, bound=4)
     mask = np.zeros((8, 6), bool)
     mask[:, 1:3] = True
     tokens = np.where(mask, 7, 0).astype(np.int32)
