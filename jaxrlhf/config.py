@@ -886,7 +886,7 @@ def _check_engine(cfg: RunConfig, sampler_shards: int, devices: int, ctx: _Conte
             f"{cfg.algorithm}.rollout.slots",
             f"{slots} slots do not split over the sampler's {sampler_shards} data shard(s)",
         )
-    if slots % sampler_shards:  # slots unset: one for every row the iteration starts
+    elif slots % sampler_shards:  # slots unset: one for every row the iteration starts
         field = "oversample_groups" if rollout.oversample_groups else "prompts_per_step"
         ctx.fail(
             f"{cfg.algorithm}.rollout.{field}",

@@ -32,7 +32,7 @@ from jaxrlhf.train.dry_run_phases import EngineLayout, Planner, RoleMemory, sds
 from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_programs import RLPrograms, build_rl_programs, sampling_params
 from jaxrlhf.train.rl_scoring import abstract_rows
-from jaxrlhf.train.rl_stream import accelerator_blocker, stream_rows
+from jaxrlhf.train.rl_stream import accelerator_blocker, streamed_batch_rows
 from jaxrlhf.train.rl_types import LearnerBatch
 from jaxrlhf.train.state import create_state, state_shardings
 
@@ -490,8 +490,7 @@ def _plan_streamed_score(pl, programs, models, rm_params) -> None:
         )
     (policy_params, ref_params, value_params), passed = models
     length = pl.cfg.data.max_prompt_length + r.max_new_tokens
-    shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
-    micro = stream_rows(r.rows, r.num_samples, shards, programs.layout.rl.score_micro_rows)
+    micro = streamed_batch_rows(programs.algo, programs.layout)
     live = [*pl.generate_live, "engine.decode_weights", "engine.state"]
     # Every micro-batch scored before the last is whole (the last is padded to the size),
     # and the one being scored is the program's own output.

@@ -32,8 +32,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrlhf import platform
+from jaxrlhf.config import RunLayout
 from jaxrlhf.generation.sampler import SampleOutput
 from jaxrlhf.generation.slots import Finished
+from jaxrlhf.train.rl_config import GRPOConfig, PPOConfig
 from jaxrlhf.train.rl_packing import PhasePlan, streamed_score_metrics
 from jaxrlhf.train.rl_types import RolloutRows, Scored
 
@@ -117,6 +119,13 @@ def stream_rows(rows: int, group: int, shards: int, micro_rows: int | None = Non
     if whole <= rows // 2 or unit > micro_rows:
         return whole
     return micro_rows // unit * unit
+
+
+def streamed_batch_rows(algo: PPOConfig | GRPOConfig, layout: RunLayout) -> int:
+    """Rows per streamed micro-batch of a run: :func:`stream_rows` of its rollout over the
+    training mesh's data shards, under its scoring bound."""
+    r = algo.rollout
+    return stream_rows(r.rows, r.num_samples, layout.data_shards, layout.rl.score_micro_rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,7 @@ from jaxrlhf.train.rl_setup import (
 from jaxrlhf.train.rl_stream import (
     StreamedScoring,
     concurrency_blocker,
-    stream_rows,
+    streamed_batch_rows,
     with_prompts,
 )
 from jaxrlhf.train.rl_types import LearnerBatch, Rollout, Scored, concatenate
@@ -372,8 +372,7 @@ class RLTrainer:
             timings["rollout/prompts_skipped"] = float(skip)  # drawn, replaced by carried
         stream = None
         if r.stream_scoring and self.env_factory is None:
-            shards = programs.mesh.shape["data"] * programs.mesh.shape["fsdp"]
-            micro = stream_rows(r.rows, r.num_samples, shards, programs.layout.rl.score_micro_rows)
+            micro = streamed_batch_rows(self.algo, programs.layout)
             stream = StreamedScoring(self, prompts, micro, self.stream_blocker is None)
             timings["rollout/stream_concurrent"] = float(stream.concurrent)
         start = time.perf_counter()
