@@ -34,6 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation.cache import DecodeCache
 from jaxrlhf.kernels.block_matmul import block_matmul
+from jaxrlhf.kernels.decode_attention import decode_attention
 from jaxrlhf.models import axes
 from jaxrlhf.models.attention import (
     distinct_rope_tables,
@@ -421,8 +422,12 @@ def _attend_shared(q, layer, prefix_ok, generated_ok, scale, cap):
 
 
 def _attend_joint(q, layer, ok, scale, cap):
-    """Attention over one per-row cache holding prompt and generated slots (n = 1)."""
+    """Attention over one per-row cache holding prompt and generated slots (n = 1): the
+    decode-attention kernel (on CPU, it reads each row's cache only up to its last attended
+    slot), or XLA's einsums where the scores are soft-capped."""
     _, _, k, v = layer
+    if cap is None:
+        return decode_attention(q, k, v, ok[:, 0, 0, :], scale)
     scores = jnp.einsum("RKGH,RKHS->RKGS", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = jnp.where(ok, softcap(scores * scale, cap), _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)

@@ -45,12 +45,22 @@ inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // rows x (NV * kLanes) outputs of one block: x rows at stride k, w at stride b, out at
 // stride n.
+// Prefetch: `lines` cache lines from `pf` into L2, spread evenly over the k iterations.
+struct Prefetch {
+  const char* at = nullptr;
+  int64_t lines = 0;
+};
+
 template <int Rows, int NV>
-void Tile(const float* x, int64_t k, const float* w, int64_t b, float* out, int64_t n) {
+void Tile(const float* x, int64_t k, const float* w, int64_t b, float* out, int64_t n,
+          Prefetch pf) {
   Vec acc[Rows][NV];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = Vec{};
+  int64_t credit = 0;
   for (int64_t i = 0; i < k; ++i) {
+    for (credit += pf.lines; credit >= k; credit -= k, pf.at += 64)
+      __builtin_prefetch(pf.at, 0, 2);
     Vec wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = Load(w + i * b + j * kLanes);
     for (int r = 0; r < Rows; ++r) {
@@ -64,22 +74,24 @@ void Tile(const float* x, int64_t k, const float* w, int64_t b, float* out, int6
 
 template <int NV>
 void TileRows(int rows, const float* x, int64_t k, const float* w, int64_t b, float* out,
-              int64_t n) {
+              int64_t n, Prefetch pf) {
   switch (rows) {
-    case 1: Tile<1, NV>(x, k, w, b, out, n); break;
-    case 2: Tile<2, NV>(x, k, w, b, out, n); break;
-    case 3: Tile<3, NV>(x, k, w, b, out, n); break;
-    case 4: Tile<4, NV>(x, k, w, b, out, n); break;
-    case 5: Tile<5, NV>(x, k, w, b, out, n); break;
-    default: Tile<6, NV>(x, k, w, b, out, n); break;
+    case 1: Tile<1, NV>(x, k, w, b, out, n, pf); break;
+    case 2: Tile<2, NV>(x, k, w, b, out, n, pf); break;
+    case 3: Tile<3, NV>(x, k, w, b, out, n, pf); break;
+    case 4: Tile<4, NV>(x, k, w, b, out, n, pf); break;
+    case 5: Tile<5, NV>(x, k, w, b, out, n, pf); break;
+    default: Tile<6, NV>(x, k, w, b, out, n, pf); break;
   }
 }
 
 // All m rows against one block (b columns). The rows go in tiles of at most kMaxRows, as
 // even as they split, so the block is read from memory once and from cache by the others.
 void Block(int64_t m, const float* x, int64_t k, const float* w, int64_t b, float* out,
-           int64_t n) {
+           int64_t n, const float* next) {
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t next_lines = next ? k * b * 4 / 64 : 0;
+  int64_t fetched = 0;
   for (int64_t c = 0; c < b;) {
     int nv = static_cast<int>(std::min<int64_t>(kMaxVectors, (b - c) / kLanes));
     int64_t r = 0;
@@ -87,9 +99,19 @@ void Block(int64_t m, const float* x, int64_t k, const float* w, int64_t b, floa
       int64_t left = m - r, rows = (left + (tiles - t) - 1) / (tiles - t);
       const float* xr = x + r * k;
       float* o = out + r * n + c;
-      if (nv >= 4) TileRows<(kMaxVectors >= 4 ? 4 : 1)>(rows, xr, k, w + c, b, o, n);
-      else if (nv >= 2) TileRows<2>(rows, xr, k, w + c, b, o, n);
-      else TileRows<1>(rows, xr, k, w + c, b, o, n);
+      // The first tile streams this block from memory; the others re-read it from cache
+      // and meanwhile pull the next block towards L2, so memory and arithmetic overlap.
+      Prefetch pf;
+      if (next && (t > 0 || tiles == 1) && fetched < next_lines) {
+        int64_t later = tiles == 1 ? 1 : tiles - 1;
+        int64_t share = (next_lines + later - 1) / later;
+        pf.at = reinterpret_cast<const char*>(next) + fetched * 64;
+        pf.lines = std::min(share, next_lines - fetched);
+        fetched += pf.lines;
+      }
+      if (nv >= 4) TileRows<(kMaxVectors >= 4 ? 4 : 1)>(rows, xr, k, w + c, b, o, n, pf);
+      else if (nv >= 2) TileRows<2>(rows, xr, k, w + c, b, o, n, pf);
+      else TileRows<1>(rows, xr, k, w + c, b, o, n, pf);
       r += rows;
     }
     c += (nv >= 4 ? 4 : nv >= 2 ? 2 : 1) * kLanes;
@@ -110,7 +132,8 @@ struct Work {
       int64_t first = next.fetch_add(chunk);
       if (first >= blocks) return;
       int64_t last = std::min(blocks, first + chunk);
-      for (int64_t p = first; p < last; ++p) Block(m, x, k, w + p * k * b, b, out + p * b, n);
+      for (int64_t p = first; p < last; ++p)
+        Block(m, x, k, w + p * k * b, b, out + p * b, n, p + 1 < last ? w + (p + 1) * k * b : nullptr);
       done.fetch_add(last - first, std::memory_order_release);
     }
   }

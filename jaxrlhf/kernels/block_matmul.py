@@ -18,10 +18,7 @@ The product is for inference: it has no gradient and no batching rule (``jax.gra
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import jax
@@ -41,21 +38,7 @@ SOURCE = Path(__file__).with_name("block_matmul.cc")
 def unavailable_reason() -> str | None:
     """None once the kernel is built and registered with XLA (done once per process), else
     why not: turned off by ``JAXRLHF_CPU_KERNELS=0``, or the build failed (also warned)."""
-    if os.environ.get("JAXRLHF_CPU_KERNELS", "1") == "0":
-        return "turned off by JAXRLHF_CPU_KERNELS=0"
-    try:
-        library = ctypes.cdll.LoadLibrary(str(build.build(SOURCE)))
-        jax.ffi.register_ffi_target(
-            TARGET, jax.ffi.pycapsule(library.JaxrlhfBlockMatmul), platform="cpu"
-        )
-    except (build.KernelBuildError, OSError) as e:
-        warnings.warn(
-            f"jaxrlhf: CPU decode matmuls use XLA's dot, the block-matmul kernel is "
-            f"unavailable: {e}",
-            stacklevel=3,
-        )
-        return str(e)
-    return None
+    return build.register(SOURCE, TARGET, "JaxrlhfBlockMatmul", "CPU decode matmuls use XLA's dot")
 
 
 def available() -> bool:

@@ -10,12 +10,14 @@ once (pytest workers, a trainer's processes) never see half a file.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax.ffi
@@ -117,3 +119,24 @@ def build(source: Path) -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise KernelBuildError(f"{cxx} could not compile {source.name} ({'; '.join(errors)})")
+
+
+def register(source: Path, target: str, symbol: str, without: str) -> str | None:
+    """Builds ``source`` (:func:`build`) and registers its exported FFI handler ``symbol``
+    with XLA as the CPU custom-call target ``target``. Returns None once registered, else why
+    not: ``JAXRLHF_CPU_KERNELS=0`` in the environment, or the build or load failed (also
+    warned: "jaxrlhf: {without}, the {source} kernel is unavailable: ...", ``without``
+    saying what runs instead). Call it once per process (the kernels' modules cache it)."""
+    if os.environ.get("JAXRLHF_CPU_KERNELS", "1") == "0":
+        return "turned off by JAXRLHF_CPU_KERNELS=0"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build(source)))
+        jax.ffi.register_ffi_target(
+            target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+        )
+    except (KernelBuildError, OSError, AttributeError) as e:
+        warnings.warn(
+            f"jaxrlhf: {without}, the {source.stem} kernel is unavailable: {e}", stacklevel=4
+        )
+        return str(e)
+    return None

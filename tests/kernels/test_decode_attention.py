@@ -1,0 +1,134 @@
+"""The CPU decode-attention kernel (jaxrlhf/kernels) against a float64 NumPy reference,
+XLA's einsums, and itself across masks, rows and meshes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrlhf.kernels import decode_attention as da
+
+pytestmark = pytest.mark.skipif(
+    not da.available(), reason=f"kernel unavailable: {da.unavailable_reason()}"
+)
+
+SCALE = 0.125
+
+
+def _operands(r, kv, g, h, s, seed=0):
+    """q, k, v and a mask with left padding, a gap and a different length per row (every
+    row attends to at least one slot; a row may end anywhere, including the last slot)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((r, kv, g, h)).astype(np.float32)
+    k = rng.standard_normal((r, kv, h, s)).astype(np.float32)
+    v = rng.standard_normal((r, kv, s, h)).astype(np.float32)
+    ok = np.zeros((r, s), bool)
+    for row in range(r):
+        start = int(rng.integers(0, s // 2))
+        end = int(rng.integers(start + 1, s + 1)) if row else s  # row 0 ends at the last slot
+        ok[row, start:end] = True
+        if end - start > 3:
+            ok[row, start + 1] = False  # a gap (a padded token inside the prompt)
+    return q, k, v, ok
+
+
+def _reference(q, k, v, ok):
+    """float64 attention: softmax over the slots with ok, the values' weighted sum."""
+    scores = np.einsum("rcgh,rchs->rcgs", q.astype(np.float64), k.astype(np.float64)) * SCALE
+    scores = np.where(ok[:, None, None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("rcgs,rcsh->rcgh", p, v.astype(np.float64))
+
+
+def _attend(q, k, v, ok):
+    return np.asarray(jax.jit(da.decode_attention, static_argnums=4)(q, k, v, ok, SCALE))
+
+
+@pytest.mark.parametrize(
+    "r,kv,g,h,s",
+    [
+        (1, 1, 1, 16, 16),  # one head, one chunk of slots
+        (3, 2, 3, 64, 48),  # bench-M's heads (G = 3) over a width of 3 chunks
+        (5, 1, 9, 32, 80),  # G = 9: query heads in groups of 8 (scores) and 4 (values)
+        (4, 4, 1, 128, 192),  # multi-head (G = 1), H = 128: the values in two passes
+        (2, 2, 6, 80, 32),  # H = 80: 4 + 1 vectors of the head dimension
+    ],
+)
+def test_matches_float64_reference(r, kv, g, h, s):
+    """Within 1e-5 of float64 attention (float32 scores of H terms and a softmax of S terms,
+    exp within 2 ulp: a few 1e-7 on outputs of size ~1), and within 1e-6 of XLA's einsums."""
+    q, k, v, ok = _operands(r, kv, g, h, s)
+    out = _attend(q, k, v, ok)
+    assert out.shape == (r, kv, g, h)
+    np.testing.assert_allclose(out, _reference(q, k, v, ok), rtol=0, atol=1e-5)
+    xla = np.asarray(da.xla_decode_attention(q, k, v, ok, SCALE))
+    np.testing.assert_allclose(out, xla, rtol=0, atol=1e-6)
+
+
+def test_reads_only_attended_slots():
+    """Bitwise: NaN and inf in every slot a row does not attend to (padding, slots not yet
+    written, past its last) change nothing; nor does widening the cache by unattended
+    slots (the engine's and the static sampler's caches differ in width)."""
+    q, k, v, ok = _operands(6, 2, 3, 64, 96, seed=1)
+    out = _attend(q, k, v, ok)
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[np.broadcast_to(~ok[:, None, None, :], k.shape)] = np.nan
+    v_bad[np.broadcast_to(~ok[:, None, :, None], v.shape)] = np.inf
+    np.testing.assert_array_equal(_attend(q, k_bad, v_bad, ok), out)
+    wide = 32
+    k_wide = np.concatenate([k, np.full((*k.shape[:3], wide), np.nan, np.float32)], 3)
+    v_wide = np.concatenate([v, np.full((*v.shape[:2], wide, v.shape[3]), np.nan, np.float32)], 2)
+    ok_wide = np.concatenate([ok, np.zeros((ok.shape[0], wide), bool)], 1)
+    np.testing.assert_array_equal(_attend(q, k_wide, v_wide, ok_wide), out)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Bitwise: rows computed alone or in another batch equal the whole batch's."""
+    q, k, v, ok = _operands(12, 2, 3, 64, 64, seed=2)
+    whole = _attend(q, k, v, ok)
+    for rows in (slice(0, 1), slice(3, 8), slice(11, 12)):
+        np.testing.assert_array_equal(_attend(q[rows], k[rows], v[rows], ok[rows]), whole[rows])
+
+
+def test_other_inputs_use_xla():
+    """bfloat16, or a head dimension or width that is not a multiple of 16, is XLA's
+    attention exactly; wrong shapes are a ValueError."""
+    q, k, v, ok = _operands(2, 2, 2, 64, 48, seed=3)
+    qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    np.testing.assert_array_equal(
+        np.asarray(da.decode_attention(qb, kb, vb, ok, SCALE)),
+        np.asarray(da.xla_decode_attention(qb, kb, vb, ok, SCALE)),
+    )
+    q, k, v, ok = _operands(2, 2, 2, 24, 40, seed=4)
+    np.testing.assert_array_equal(
+        np.asarray(da.decode_attention(q, k, v, ok, SCALE)),
+        np.asarray(da.xla_decode_attention(q, k, v, ok, SCALE)),
+    )
+    with pytest.raises(ValueError, match="must be"):
+        da.decode_attention(q, k[:, :, :, :16], v, ok, SCALE)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [P("data", None), P("data", "model"), P(None, "model"), P(("data", "model"), None)],
+)
+def test_partitions_over_rows_and_heads(spec):
+    """On a 2 x 4 mesh of the suite's 8 CPU devices, rows and kv heads split any way give
+    one device's result bitwise (each (row, head) is computed alone)."""
+    devices = jax.devices()
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("data", "model"))
+    q, k, v, ok = _operands(8, 4, 3, 64, 64, seed=5)
+    one = _attend(q, k, v, ok)
+    cache = NamedSharding(mesh, P(*spec, None, None))
+    rows = NamedSharding(mesh, P(spec[0], None))
+    args = [jax.device_put(x, cache) for x in (q, k, v)] + [jax.device_put(ok, rows)]
+    out = jax.jit(da.decode_attention, static_argnums=4)(*args, SCALE)
+    np.testing.assert_array_equal(np.asarray(out), one)
+    assert (*out.sharding.spec, None, None)[:2] == tuple(spec)  # no gather of the output
