@@ -96,14 +96,15 @@ def cpu_pressure() -> str:
         return "n/a"
 
 
-def matmul_rate(m: int, k: int, n: int, reps: int) -> float:
+def matmul_rate(m: int, k: int, n: int, reps: int, with_kernel: bool = True) -> float:
     """Best float32 FLOP/s of a chain of [m, k] x [k, n] and [m, n] x [n, k] matmuls.
 
     Timed inside one jitted loop (no dispatch), with the weights stored three ways: [in, out]
     and [out, in] (contracted on their last dim; which of the two XLA's CPU matmul runs faster
     at small m depends on the CPU) and, where jaxrlhf's CPU block-matmul kernel is available,
-    as its 64-column blocks. The fastest is kept, so the floor derived from it is a lower
-    bound on the time.
+    as its 64-column blocks (unless ``with_kernel`` is False: XLA's own rate, the floor as
+    issue 19 defined it). The fastest is kept, so the floor derived from it is a lower bound
+    on the time.
     """
     rng = np.random.default_rng(0)
 
@@ -133,7 +134,8 @@ def matmul_rate(m: int, k: int, n: int, reps: int) -> float:
         (in_out, (x, normal(k, n), normal(n, k))),
         (out_in, (x, normal(n, k), normal(k, n))),
     ]
-    if block_matmul.available() and n % CPU_MATMUL_BLOCK == 0 and k % CPU_MATMUL_BLOCK == 0:
+    blockable = n % CPU_MATMUL_BLOCK == 0 and k % CPU_MATMUL_BLOCK == 0
+    if with_kernel and blockable and block_matmul.available():
         candidates.append((jax.jit(block_chain), (x, blocks(normal(k, n)), blocks(normal(n, k)))))
     best = float("inf")
     for fn, args in candidates:

@@ -37,6 +37,10 @@ inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 inline Vec Splat(float x) { return Vec{} + x; }
 
+// Rows of k (slots of v) fetched ahead of their use: one core's misses to memory overlap
+// only as far as the loads run ahead, and a head's cache is a few tens of KB.
+constexpr int64_t kAhead = 8;
+
 // exp(x) for x <= 0 (a score minus the max): Cephes' expf. x = n ln 2 + r, |r| <= ln 2 / 2,
 // exp(r) by a polynomial, 2^n added to the exponent. Below -86 the result is 0 (exp(-86)
 // is 4e-38, far below a float's resolution next to the max's term, exp(0) = 1), which
@@ -68,49 +72,50 @@ inline Vec ExpNonPositive(Vec x) {
   return y;
 }
 
-// scores[g, s] for G query heads (G <= 8) and the slots s in [0, end), end % 16 == 0:
-// q rows at stride h_dim, k [H, S] at stride s_dim, scores [G, end] at stride `stride`.
+// scores[g, s] for G <= 4 query heads and NV vectors of slots from s0: q rows at stride
+// h_dim, k [H, S] at stride s_dim, scores at stride `stride`. Each score sums h in order.
+template <int G, int NV>
+void ScoreTile(const float* q, int64_t h_dim, const float* k, int64_t s_dim, int64_t s0,
+               float* scores, int64_t stride) {
+  Vec acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = Vec{};
+  for (int64_t h = 0; h < h_dim; ++h) {
+    const float* row = k + h * s_dim + s0;
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(row + kAhead * s_dim + j * kLanes, 0, 3);
+    Vec kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = Load(row + j * kLanes);
+    for (int g = 0; g < G; ++g) {
+      Vec qv = Splat(q[g * h_dim + h]);
+      for (int j = 0; j < NV; ++j) acc[g][j] += qv * kv[j];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) Store(scores + g * stride + s0 + j * kLanes, acc[g][j]);
+}
+
 template <int G>
 void Scores(const float* q, int64_t h_dim, const float* k, int64_t s_dim, int64_t end,
             float* scores, int64_t stride) {
-  for (int64_t s = 0; s < end; s += 2 * kLanes) {
-    const int nv = end - s >= 2 * kLanes ? 2 : 1;
-    Vec acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = Vec{};
-    if (nv == 2) {
-      for (int64_t h = 0; h < h_dim; ++h) {
-        Vec k0 = Load(k + h * s_dim + s), k1 = Load(k + h * s_dim + s + kLanes);
-        for (int g = 0; g < G; ++g) {
-          Vec qv = Splat(q[g * h_dim + h]);
-          acc[g][0] += qv * k0;
-          acc[g][1] += qv * k1;
-        }
-      }
-    } else {
-      for (int64_t h = 0; h < h_dim; ++h) {
-        Vec k0 = Load(k + h * s_dim + s);
-        for (int g = 0; g < G; ++g) acc[g][0] += Splat(q[g * h_dim + h]) * k0;
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < nv; ++j) Store(scores + g * stride + s + j * kLanes, acc[g][j]);
+  for (int64_t s = 0; s < end;) {
+    int64_t left = (end - s) / kLanes;
+    if (left >= 4) { ScoreTile<G, 4>(q, h_dim, k, s_dim, s, scores, stride); s += 4 * kLanes; }
+    else if (left >= 2) { ScoreTile<G, 2>(q, h_dim, k, s_dim, s, scores, stride); s += 2 * kLanes; }
+    else { ScoreTile<G, 1>(q, h_dim, k, s_dim, s, scores, stride); s += kLanes; }
   }
 }
 
+// scores[g, s] for every query head and the slots s in [0, end), end % 16 == 0.
 void ScoresAnyG(int g_dim, const float* q, int64_t h_dim, const float* k, int64_t s_dim,
                 int64_t end, float* scores, int64_t stride) {
-  for (int g0 = 0; g0 < g_dim; g0 += 8) {
+  for (int g0 = 0; g0 < g_dim; g0 += 4) {
     const float* qg = q + g0 * h_dim;
     float* sg = scores + g0 * stride;
-    switch (std::min(8, g_dim - g0)) {
+    switch (std::min(4, g_dim - g0)) {
       case 1: Scores<1>(qg, h_dim, k, s_dim, end, sg, stride); break;
       case 2: Scores<2>(qg, h_dim, k, s_dim, end, sg, stride); break;
       case 3: Scores<3>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      case 4: Scores<4>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      case 5: Scores<5>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      case 6: Scores<6>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      case 7: Scores<7>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      default: Scores<8>(qg, h_dim, k, s_dim, end, sg, stride); break;
+      default: Scores<4>(qg, h_dim, k, s_dim, end, sg, stride); break;
     }
   }
 }
@@ -124,6 +129,7 @@ void Mix(const float* p, int64_t stride, const bool* ok, int64_t end, const floa
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = Vec{};
   for (int64_t s = 0; s < end; ++s) {
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(v + (s + kAhead) * h_dim + c + j * kLanes, 0, 3);
     if (!ok[s]) continue;
     Vec vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = Load(v + s * h_dim + c + j * kLanes);
@@ -161,6 +167,20 @@ void MixAnyG(int g_dim, const float* p, int64_t stride, const bool* ok, int64_t 
   }
 }
 
+// 16 slots' ok flags as a lane mask (all bits set where ok).
+inline IVec OkMask(const bool* ok) {
+  typedef int8_t Bytes __attribute__((vector_size(kLanes)));
+  Bytes b;
+  std::memcpy(&b, ok, sizeof(b));
+  return __builtin_convertvector(b, IVec) != 0;
+}
+
+inline float LaneMax(Vec x) {
+  float a[kLanes];
+  Store(a, x);
+  return *std::max_element(a, a + kLanes);
+}
+
 // The 16 lanes' sum in a fixed order: halves added pairwise, down to one.
 inline float LaneSum(Vec x) {
   float a[kLanes];
@@ -192,21 +212,26 @@ void AttendHead(const Shape& d, float scale, const float* q, const float* k, con
   const int64_t end = std::min(d.s, (last + kLanes) / kLanes * kLanes);
   ScoresAnyG(static_cast<int>(d.g), q + head * d.g * d.h, d.h, k + head * d.h * d.s, d.s, end,
              scratch, stride);
+  const Vec lowest = Splat(-3.402823466e38f);
   for (int64_t g = 0; g < d.g; ++g) {
     float* sg = scratch + g * stride;
-    float max = -3.402823466e38f;
-    for (int64_t s = 0; s <= last; ++s)
-      if (row_ok[s]) max = std::max(max, sg[s] * scale);
+    Vec top = lowest;
+    for (int64_t s = 0; s < end; s += kLanes) {
+      Vec x = Load(sg + s) * scale;
+      x = OkMask(row_ok + s) ? x : lowest;
+      Store(sg + s, x);
+      top = x > top ? x : top;
+    }
+    const float max = LaneMax(top);
     Vec total{};
     for (int64_t s = 0; s < end; s += kLanes) {
-      float lane[kLanes];
-      for (int i = 0; i < kLanes; ++i) lane[i] = row_ok[s + i] ? sg[s + i] * scale - max : -1e30f;
-      Vec e = ExpNonPositive(Load(lane));
+      Vec e = ExpNonPositive(Load(sg + s) - max);
+      e = OkMask(row_ok + s) ? e : Vec{};
       Store(sg + s, e);
       total += e;
     }
-    const float sum = LaneSum(total);
-    for (int64_t s = 0; s < end; ++s) sg[s] = sg[s] / sum;
+    const Vec sum = Splat(LaneSum(total));
+    for (int64_t s = 0; s < end; s += kLanes) Store(sg + s, Load(sg + s) / sum);
   }
   MixAnyG(static_cast<int>(d.g), scratch, stride, row_ok, end, v + head * d.s * d.h, d.h, o);
 }
