@@ -103,8 +103,8 @@ def matmul_rate(m: int, k: int, n: int, reps: int, with_kernel: bool = True) -> 
     and [out, in] (contracted on their last dim; which of the two XLA's CPU matmul runs faster
     at small m depends on the CPU) and, where jaxrlhf's CPU block-matmul kernel is available,
     as its 64-column blocks (unless ``with_kernel`` is False: XLA's own rate, the floor as
-    issue 19 defined it). The fastest is kept, so the floor derived from it is a lower bound
-    on the time.
+    issue 19 defined it). The fastest is kept; with the kernel, the floor derived from it is
+    a lower bound on the time of any of the three layouts.
     """
     rng = np.random.default_rng(0)
 

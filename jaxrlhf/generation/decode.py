@@ -422,9 +422,10 @@ def _attend_shared(q, layer, prefix_ok, generated_ok, scale, cap):
 
 
 def _attend_joint(q, layer, ok, scale, cap):
-    """Attention over one per-row cache holding prompt and generated slots (n = 1): the
-    decode-attention kernel (on CPU, it reads each row's cache only up to its last attended
-    slot), or XLA's einsums where the scores are soft-capped."""
+    """Attention over one per-row cache holding prompt and generated slots (n = 1):
+    :func:`~jaxrlhf.kernels.decode_attention.decode_attention` (on CPU, for float32 and a
+    head size that is a multiple of 16, a kernel that reads each row's cache only where it
+    attends; else XLA's einsums), or XLA's einsums where the scores are soft-capped."""
     _, _, k, v = layer
     if cap is None:
         return decode_attention(q, k, v, ok[:, 0, 0, :], scale)

@@ -43,14 +43,14 @@ typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// rows x (NV * kLanes) outputs of one block: x rows at stride k, w at stride b, out at
-// stride n.
 // Prefetch: `lines` cache lines from `pf` into L2, spread evenly over the k iterations.
 struct Prefetch {
   const char* at = nullptr;
   int64_t lines = 0;
 };
 
+// rows x (NV * kLanes) outputs of one block: x rows at stride k, w at stride b, out at
+// stride n; meanwhile `pf`'s lines are prefetched.
 template <int Rows, int NV>
 void Tile(const float* x, int64_t k, const float* w, int64_t b, float* out, int64_t n,
           Prefetch pf) {
@@ -132,8 +132,10 @@ struct Work {
       int64_t first = next.fetch_add(chunk);
       if (first >= blocks) return;
       int64_t last = std::min(blocks, first + chunk);
-      for (int64_t p = first; p < last; ++p)
-        Block(m, x, k, w + p * k * b, b, out + p * b, n, p + 1 < last ? w + (p + 1) * k * b : nullptr);
+      for (int64_t p = first; p < last; ++p) {
+        const float* next = p + 1 < last ? w + (p + 1) * k * b : nullptr;
+        Block(m, x, k, w + p * k * b, b, out + p * b, n, next);
+      }
       done.fetch_add(last - first, std::memory_order_release);
     }
   }

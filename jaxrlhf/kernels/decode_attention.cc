@@ -1,17 +1,19 @@
 // One decode step's attention over a per-row KV cache: for each row r and kv head c,
 //   out[r, c, g, :] = sum_s p[g, s] * v[r, c, s, :],  p[g, :] = softmax over the slots s
 //   with ok[r, s] of scale * sum_h q[r, c, g, h] * k[r, c, h, s],
-// for the G query heads g that read kv head c. The cache is read only up to the row's last
-// slot with ok set, and a slot without ok is never read: a decode step's cache is mostly
-// slots not yet written, and XLA:CPU's batched matmuls over the whole width took a quarter
-// of a bench-M step (benchmarks/RESULTS.md, "A CPU kernel for decode attention").
+// for the G query heads g that read kv head c. A row's cache is read only over the 16-slot
+// chunks from its first slot with ok to its last, and a slot without ok changes nothing
+// (its score, if computed, is dropped; its value is never read): a decode step's cache is
+// mostly slots not yet written, and XLA:CPU's batched matmuls over the whole width took a
+// quarter of a bench-M step on an Intel Xeon VM (benchmarks/RESULTS.md, "Intel Xeon: a CPU
+// kernel for decode attention").
 //
-// Numerics (float32): a score sums h = 0 .. H-1 in order with fused multiply-adds; the
-// softmax's max is exact, its sum adds exp(score - max) per lane of 16 consecutive slots
-// (slot s in lane s mod 16, chunks in order) and then the 16 lanes in a fixed tree; each
-// p is exp(score - max) / sum; the output sums the slots with ok in order. exp is a
-// polynomial (Cephes' expf, within 2 ulp of the exact value). None of this depends on
-// other rows, on slots past the last one with ok, or on what slots without ok hold.
+// Numerics (float32): a score sums h = 0 .. H-1 in order (one fused multiply-add per term
+// where the target has FMA, -ffp-contract=fast); the softmax's max is exact, its sum adds
+// exp(score - max) per lane (slot s in lane s mod 16, chunks in order) and then the 16
+// lanes in a fixed tree; each p is exp(score - max) / sum; the output sums the slots with
+// ok in order. exp is Cephes' expf polynomial (within 2 ulp). None of this depends on the
+// other rows, on the cache's width, or on what slots without ok hold.
 //
 // Built on first use by jaxrlhf/kernels/build.py; registered with XLA as the FFI target
 // "jaxrlhf_decode_attention" by jaxrlhf/kernels/decode_attention.py.
@@ -30,6 +32,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;  // the vector type's width; GCC splits it where the target is narrower
+#if defined(__AVX512F__)
+constexpr int kMaxVectors = 4;  // vectors of slots (scores) or of the head (values) per tile
+#else
+constexpr int kMaxVectors = 1;  // a 16-float vector takes 2-4 narrower registers
+#endif
 typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
 
@@ -38,7 +45,9 @@ inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 inline Vec Splat(float x) { return Vec{} + x; }
 
 // Rows of k (slots of v) fetched ahead of their use: one core's misses to memory overlap
-// only as far as the loads run ahead, and a head's cache is a few tens of KB.
+// only as far as the loads run ahead, and a head's cache is a few tens of KB. (Past a
+// head's last row the prefetches reach into the next head's cache, or past the buffer,
+// which a prefetch may: it never faults.)
 constexpr int64_t kAhead = 8;
 
 // exp(x) for x <= 0 (a score minus the max): Cephes' expf. x = n ln 2 + r, |r| <= ln 2 / 2,
@@ -66,7 +75,7 @@ inline Vec ExpNonPositive(Vec x) {
   y = y * r2 + r + 1.0f;
   IVec bits;
   std::memcpy(&bits, &y, sizeof(y));
-  bits += n << 23;
+  bits += n * (1 << 23);  // 2^n into the exponent (n >= -124: stays normal)
   bits &= ~under;
   std::memcpy(&y, &bits, sizeof(y));
   return y;
@@ -94,41 +103,67 @@ void ScoreTile(const float* q, int64_t h_dim, const float* k, int64_t s_dim, int
     for (int j = 0; j < NV; ++j) Store(scores + g * stride + s0 + j * kLanes, acc[g][j]);
 }
 
+// One partial chunk of n < 16 slots from s0 (the cache's last, where S % 16 != 0): the
+// same sums as ScoreTile's, with the missing slots read as 0.
 template <int G>
-void Scores(const float* q, int64_t h_dim, const float* k, int64_t s_dim, int64_t end,
-            float* scores, int64_t stride) {
-  for (int64_t s = 0; s < end;) {
-    int64_t left = (end - s) / kLanes;
-    if (left >= 4) { ScoreTile<G, 4>(q, h_dim, k, s_dim, s, scores, stride); s += 4 * kLanes; }
-    else if (left >= 2) { ScoreTile<G, 2>(q, h_dim, k, s_dim, s, scores, stride); s += 2 * kLanes; }
-    else { ScoreTile<G, 1>(q, h_dim, k, s_dim, s, scores, stride); s += kLanes; }
+void ScoreTail(const float* q, int64_t h_dim, const float* k, int64_t s_dim, int64_t s0,
+               int64_t n, float* scores, int64_t stride) {
+  Vec acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = Vec{};
+  float part[kLanes] = {};
+  for (int64_t h = 0; h < h_dim; ++h) {
+    std::memcpy(part, k + h * s_dim + s0, n * sizeof(float));
+    Vec kv = Load(part);
+    for (int g = 0; g < G; ++g) acc[g] += Splat(q[g * h_dim + h]) * kv;
   }
+  for (int g = 0; g < G; ++g) Store(scores + g * stride + s0, acc[g]);
 }
 
-// scores[g, s] for every query head and the slots s in [0, end), end % 16 == 0.
+// Slots [begin, end), both multiples of 16; the chunk past s_dim (if any) is partial.
+template <int G>
+void Scores(const float* q, int64_t h_dim, const float* k, int64_t s_dim, int64_t begin,
+            int64_t end, float* scores, int64_t stride) {
+  const int64_t whole = std::min(end, s_dim / kLanes * kLanes);
+  for (int64_t s = begin; s < whole;) {
+    int64_t left = (whole - s) / kLanes;
+    if (kMaxVectors >= 4 && left >= 4) {
+      ScoreTile<G, (kMaxVectors >= 4 ? 4 : 1)>(q, h_dim, k, s_dim, s, scores, stride);
+      s += 4 * kLanes;
+    } else if (kMaxVectors >= 2 && left >= 2) {
+      ScoreTile<G, (kMaxVectors >= 2 ? 2 : 1)>(q, h_dim, k, s_dim, s, scores, stride);
+      s += 2 * kLanes;
+    } else {
+      ScoreTile<G, 1>(q, h_dim, k, s_dim, s, scores, stride);
+      s += kLanes;
+    }
+  }
+  if (end > whole) ScoreTail<G>(q, h_dim, k, s_dim, whole, s_dim - whole, scores, stride);
+}
+
+// scores[g, s] for every query head and the slots s in [begin, end).
 void ScoresAnyG(int g_dim, const float* q, int64_t h_dim, const float* k, int64_t s_dim,
-                int64_t end, float* scores, int64_t stride) {
+                int64_t begin, int64_t end, float* scores, int64_t stride) {
   for (int g0 = 0; g0 < g_dim; g0 += 4) {
     const float* qg = q + g0 * h_dim;
     float* sg = scores + g0 * stride;
     switch (std::min(4, g_dim - g0)) {
-      case 1: Scores<1>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      case 2: Scores<2>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      case 3: Scores<3>(qg, h_dim, k, s_dim, end, sg, stride); break;
-      default: Scores<4>(qg, h_dim, k, s_dim, end, sg, stride); break;
+      case 1: Scores<1>(qg, h_dim, k, s_dim, begin, end, sg, stride); break;
+      case 2: Scores<2>(qg, h_dim, k, s_dim, begin, end, sg, stride); break;
+      case 3: Scores<3>(qg, h_dim, k, s_dim, begin, end, sg, stride); break;
+      default: Scores<4>(qg, h_dim, k, s_dim, begin, end, sg, stride); break;
     }
   }
 }
 
-// out[g, :] = sum over the slots s < end with ok[s], in order, of p[g, s] * v[s, :], for
-// G <= 4 heads and NV vectors of the head dimension starting at column c.
+// out[g, :] = sum over the slots s in [begin, end) with ok[s], in order, of
+// p[g, s] * v[s, :], for G <= 4 heads and NV vectors of the head dimension from column c.
 template <int G, int NV>
-void Mix(const float* p, int64_t stride, const bool* ok, int64_t end, const float* v,
-         int64_t h_dim, int64_t c, float* out) {
+void Mix(const float* p, int64_t stride, const bool* ok, int64_t begin, int64_t end,
+         const float* v, int64_t h_dim, int64_t c, float* out) {
   Vec acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = Vec{};
-  for (int64_t s = 0; s < end; ++s) {
+  for (int64_t s = begin; s < end; ++s) {
     for (int j = 0; j < NV; ++j) __builtin_prefetch(v + (s + kAhead) * h_dim + c + j * kLanes, 0, 3);
     if (!ok[s]) continue;
     Vec vv[NV];
@@ -143,26 +178,33 @@ void Mix(const float* p, int64_t stride, const bool* ok, int64_t end, const floa
 }
 
 template <int G>
-void MixColumns(const float* p, int64_t stride, const bool* ok, int64_t end, const float* v,
-                int64_t h_dim, float* out) {
+void MixColumns(const float* p, int64_t stride, const bool* ok, int64_t begin, int64_t end,
+                const float* v, int64_t h_dim, float* out) {
   for (int64_t c = 0; c < h_dim;) {
     int64_t left = (h_dim - c) / kLanes;
-    if (left >= 4) { Mix<G, 4>(p, stride, ok, end, v, h_dim, c, out); c += 4 * kLanes; }
-    else if (left >= 2) { Mix<G, 2>(p, stride, ok, end, v, h_dim, c, out); c += 2 * kLanes; }
-    else { Mix<G, 1>(p, stride, ok, end, v, h_dim, c, out); c += kLanes; }
+    if (kMaxVectors >= 4 && left >= 4) {
+      Mix<G, (kMaxVectors >= 4 ? 4 : 1)>(p, stride, ok, begin, end, v, h_dim, c, out);
+      c += 4 * kLanes;
+    } else if (kMaxVectors >= 2 && left >= 2) {
+      Mix<G, (kMaxVectors >= 2 ? 2 : 1)>(p, stride, ok, begin, end, v, h_dim, c, out);
+      c += 2 * kLanes;
+    } else {
+      Mix<G, 1>(p, stride, ok, begin, end, v, h_dim, c, out);
+      c += kLanes;
+    }
   }
 }
 
-void MixAnyG(int g_dim, const float* p, int64_t stride, const bool* ok, int64_t end,
-             const float* v, int64_t h_dim, float* out) {
+void MixAnyG(int g_dim, const float* p, int64_t stride, const bool* ok, int64_t begin,
+             int64_t end, const float* v, int64_t h_dim, float* out) {
   for (int g0 = 0; g0 < g_dim; g0 += 4) {
     const float* pg = p + g0 * stride;
     float* og = out + g0 * h_dim;
     switch (std::min(4, g_dim - g0)) {
-      case 1: MixColumns<1>(pg, stride, ok, end, v, h_dim, og); break;
-      case 2: MixColumns<2>(pg, stride, ok, end, v, h_dim, og); break;
-      case 3: MixColumns<3>(pg, stride, ok, end, v, h_dim, og); break;
-      default: MixColumns<4>(pg, stride, ok, end, v, h_dim, og); break;
+      case 1: MixColumns<1>(pg, stride, ok, begin, end, v, h_dim, og); break;
+      case 2: MixColumns<2>(pg, stride, ok, begin, end, v, h_dim, og); break;
+      case 3: MixColumns<3>(pg, stride, ok, begin, end, v, h_dim, og); break;
+      default: MixColumns<4>(pg, stride, ok, begin, end, v, h_dim, og); break;
     }
   }
 }
@@ -194,29 +236,33 @@ struct Shape {
   int64_t rows, kv, g, h, s;
 };
 
-// Row r, kv head c: scores in `scratch` ([G, S rounded up to 16]).
+// Row r, kv head c. `scratch` holds G rows of scores at stride `stride` (S rounded up to
+// 16) and `row_ok` the row's ok flags, padded with false to `stride`.
 void AttendHead(const Shape& d, float scale, const float* q, const float* k, const float* v,
-          const bool* ok, float* out, int64_t r, int64_t c, float* scratch) {
-  const bool* row_ok = ok + r * d.s;
-  int64_t last = d.s - 1;
-  while (last >= 0 && !row_ok[last]) --last;
+                const bool* ok, float* out, int64_t r, int64_t c, float* scratch,
+                bool* row_ok) {
   const int64_t head = r * d.kv + c;
   float* o = out + head * d.g * d.h;
-  if (last < 0) {  // no slot to attend to: softmax over nothing, as 0 (never in a decode)
-    std::fill(o, o + d.g * d.h, 0.0f);
+  std::memcpy(row_ok, ok + r * d.s, d.s);
+  int64_t first = 0, last = d.s - 1;
+  while (first < d.s && !row_ok[first]) ++first;
+  while (last > first && !row_ok[last]) --last;
+  if (first == d.s) {  // nothing to attend to: 0 (an engine view's row that is not
+    std::fill(o, o + d.g * d.h, 0.0f);  // decoding this step; its output is dropped)
     return;
   }
+  // The 16-slot chunks from the first slot with ok to the last: the lane of slot s is
+  // s mod 16 whatever the chunks, so the sums do not depend on the cache's width.
   const int64_t stride = (d.s + kLanes - 1) / kLanes * kLanes;
-  // Whole 16-slot chunks up to the last slot with ok; k's row holds at least that many
-  // slots only where S % 16 == 0, which decode_attention.py checks.
-  const int64_t end = std::min(d.s, (last + kLanes) / kLanes * kLanes);
-  ScoresAnyG(static_cast<int>(d.g), q + head * d.g * d.h, d.h, k + head * d.h * d.s, d.s, end,
-             scratch, stride);
+  const int64_t begin = first / kLanes * kLanes;
+  const int64_t end = (last + kLanes) / kLanes * kLanes;
+  ScoresAnyG(static_cast<int>(d.g), q + head * d.g * d.h, d.h, k + head * d.h * d.s, d.s, begin,
+             end, scratch, stride);
   const Vec lowest = Splat(-3.402823466e38f);
   for (int64_t g = 0; g < d.g; ++g) {
     float* sg = scratch + g * stride;
     Vec top = lowest;
-    for (int64_t s = 0; s < end; s += kLanes) {
+    for (int64_t s = begin; s < end; s += kLanes) {
       Vec x = Load(sg + s) * scale;
       x = OkMask(row_ok + s) ? x : lowest;
       Store(sg + s, x);
@@ -224,16 +270,17 @@ void AttendHead(const Shape& d, float scale, const float* q, const float* k, con
     }
     const float max = LaneMax(top);
     Vec total{};
-    for (int64_t s = 0; s < end; s += kLanes) {
+    for (int64_t s = begin; s < end; s += kLanes) {
       Vec e = ExpNonPositive(Load(sg + s) - max);
       e = OkMask(row_ok + s) ? e : Vec{};
       Store(sg + s, e);
       total += e;
     }
     const Vec sum = Splat(LaneSum(total));
-    for (int64_t s = 0; s < end; s += kLanes) Store(sg + s, Load(sg + s) / sum);
+    for (int64_t s = begin; s < end; s += kLanes) Store(sg + s, Load(sg + s) / sum);
   }
-  MixAnyG(static_cast<int>(d.g), scratch, stride, row_ok, end, v + head * d.s * d.h, d.h, o);
+  MixAnyG(static_cast<int>(d.g), scratch, stride, row_ok, begin, end, v + head * d.s * d.h,
+          d.h, o);
 }
 
 // (row, kv head) pairs are claimed from a shared counter by the calling thread and by
@@ -248,11 +295,13 @@ struct Work {
   void Run() {
     const int64_t stride = (d.s + kLanes - 1) / kLanes * kLanes;
     std::vector<float> scratch(d.g * stride);
+    std::vector<char> row_ok(stride, 0);  // past S: false, never overwritten
     const int64_t heads = d.rows * d.kv;
     for (;;) {
       int64_t i = next.fetch_add(1);
       if (i >= heads) return;
-      AttendHead(d, scale, q, k, v, ok, out, i / d.kv, i % d.kv, scratch.data());
+      AttendHead(d, scale, q, k, v, ok, out, i / d.kv, i % d.kv, scratch.data(),
+                 reinterpret_cast<bool*>(row_ok.data()));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -266,10 +315,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 2 ||
       kd[0] != qd[0] || kd[1] != qd[1] || kd[2] != qd[3] || vd[0] != qd[0] ||
       vd[1] != qd[1] || vd[2] != kd[3] || vd[3] != qd[3] || od[0] != qd[0] ||
-      od[1] != kd[3] || qd[3] % kLanes || kd[3] % kLanes)
+      od[1] != kd[3] || qd[3] % kLanes)
     return ffi::Error::InvalidArgument(
         "decode_attention: q [R, K, G, H], k [R, K, H, S], v [R, K, S, H], ok [R, S] "
-        "(H and S multiples of 16)");
+        "(H a multiple of 16)");
   auto work = std::make_shared<Work>();
   work->d = Shape{qd[0], qd[1], qd[2], qd[3], kd[3]};
   work->scale = scale;

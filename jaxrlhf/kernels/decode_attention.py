@@ -4,8 +4,9 @@ The decode loop's cache holds every row's prompt and generated slots at the full
 (prompt plus the token budget), and most of them are not yet written or are padding. XLA
 multiplies the query by all of them; :func:`decode_attention` runs the step as one XLA FFI
 custom call (``decode_attention.cc``, compiled on first use by :mod:`jaxrlhf.kernels.build`)
-that reads each row's cache only up to its last attended slot and skips every slot it does
-not attend to. On other platforms, where the kernel cannot be built, or for shapes it does
+that reads each row's cache only over the 16-slot chunks from its first attended slot to
+its last, and ignores every slot it does not attend to (its score is dropped, its value
+never read). On other platforms, where the kernel cannot be built, or for shapes it does
 not take, it is :func:`xla_decode_attention`, the same function in XLA. It partitions over
 the rows and the kv heads on any mesh.
 
@@ -30,7 +31,7 @@ from jaxrlhf.kernels import build
 
 TARGET = "jaxrlhf_decode_attention"
 SOURCE = Path(__file__).with_name("decode_attention.cc")
-LANES = 16  # the kernel's vector width: H and S must be multiples of it
+LANES = 16  # the kernel's vector width: H must be a multiple of it
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -84,11 +85,23 @@ def _entry(spec: tuple, i: int) -> object:
     return spec[i] if i < len(spec) else None
 
 
+def _axes(entry: object) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _as_entry(axes: tuple[str, ...]) -> object:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def _specs(arg_shapes) -> tuple[object, object]:
-    """The mesh axes of q's rows and kv heads (the others are gathered)."""
-    spec = tuple(arg_shapes[0].sharding.spec)
-    rows, heads = _entry(spec, 0), _entry(spec, 1)
-    return rows, (None if heads == rows else heads)
+    """The mesh axes of the cache's rows and kv heads (k, the largest operand, keeps its
+    layout; q, ok and the output follow it). Other axes are gathered."""
+    spec = tuple(arg_shapes[1].sharding.spec)
+    rows = _axes(_entry(spec, 0))
+    heads = tuple(a for a in _axes(_entry(spec, 1)) if a not in rows)
+    return _as_entry(rows), _as_entry(heads)
 
 
 def _infer(scale, mesh, arg_shapes, result_shape) -> NamedSharding:
@@ -138,21 +151,19 @@ def decode_attention(
     slots; ``k`` is head-major ``[H, S]`` per head, as ``generation/cache.py`` stores it.
     Every row must attend to at least one slot.
 
-    float32 on CPU with the kernel available and H, S multiples of 16: the C++ kernel
+    float32 on CPU with the kernel available and H a multiple of 16: the C++ kernel
     (``decode_attention.cc`` states its summation order; a row's result does not depend on
-    other rows, on slots past its last attended one, or on what unattended slots hold).
-    Anything else: :func:`xla_decode_attention`.
+    the other rows, on S, or on what unattended slots hold). Anything else:
+    :func:`xla_decode_attention`. A row that attends to no slot gets 0 from the kernel and
+    the mean of its values from XLA (an engine view's rows that do not decode this step;
+    their output is dropped).
     """
     if q.ndim != 4 or k.shape != (*q.shape[:2], q.shape[3], ok.shape[1]):
         raise ValueError(
             f"decode_attention: q {q.shape}, k {k.shape}, v {v.shape}, ok {ok.shape} must be "
             "[R, K, G, H], [R, K, H, S], [R, K, S, H], [R, S]"
         )
-    kernel_ok = (
-        all(x.dtype == jnp.float32 for x in (q, k, v))
-        and q.shape[3] % LANES == 0
-        and k.shape[3] % LANES == 0
-    )
+    kernel_ok = all(x.dtype == jnp.float32 for x in (q, k, v)) and q.shape[3] % LANES == 0
     # A non-CPU default backend never builds the kernel (its programs would not use it).
     if not kernel_ok or jax.default_backend() != "cpu" or not available():
         return xla_decode_attention(q, k, v, ok, scale)

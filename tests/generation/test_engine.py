@@ -289,3 +289,42 @@ def test_views_decode_what_the_whole_state_decodes(setup, data, fsdp, tensor):
     np.testing.assert_allclose(
         outs[True].finished.logprobs, outs[False].finished.logprobs, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_attention_kernel_in_the_engine_and_the_sampler(family, monkeypatch):
+    """Head size 16 takes the CPU decode-attention kernel (gemma3: sliding-window layers
+    too). The engine's views (cache widths cut to 8 + 8, 16, ... slots, most not multiples
+    of 16) sample what the static sampler (8 + 21 slots) samples, and both sample what they
+    sample with XLA's attention: tokens equal, log-probs within 1e-5 (float32 sums in
+    another order)."""
+    from jaxrlhf.kernels import decode_attention as da
+
+    if not da.available():
+        pytest.skip(f"kernel unavailable: {da.unavailable_reason()}")
+    cfg = ModelConfig.tiny(family)
+    assert cfg.dim_per_head == 16 and cfg.attn_logit_softcap is None
+    params = M.init_params(cfg, jax.random.key(4))
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(60, cfg.vocab_size, (B, P)).astype(np.int32)
+    mask = np.arange(P)[None] >= rng.integers(0, P - 1, B)[:, None]
+    sampling = SamplingParams(max_new_tokens=21, n=2, stop_token_ids=STOP[:4], pad_token_id=0)
+    key = jax.random.key(5)
+    calls = []
+    kernel = da._partitioned
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    monkeypatch.setattr(da, "_partitioned", counted)
+    ref = jax.device_get(Sampler(cfg).generate(params, tokens, mask, key, sampling))
+    out = Engine(Sampler(cfg), slots=4, chunk=3).generate(params, tokens, mask, key, sampling)
+    assert calls  # traced through the kernel
+    _same(out.finished, ref, np.arange(B * 2))
+    monkeypatch.setattr(da, "available", lambda: False)
+    calls.clear()
+    xla = jax.device_get(Sampler(cfg).generate(params, tokens, mask, key, sampling))
+    assert not calls
+    np.testing.assert_array_equal(xla.tokens, ref.tokens)
+    np.testing.assert_allclose(xla.model_logprobs, ref.model_logprobs, atol=1e-5)

@@ -54,9 +54,11 @@ def _attend(q, k, v, ok):
     [
         (1, 1, 1, 16, 16),  # one head, one chunk of slots
         (3, 2, 3, 64, 48),  # bench-M's heads (G = 3) over a width of 3 chunks
-        (5, 1, 9, 32, 80),  # G = 9: query heads in groups of 8 (scores) and 4 (values)
+        (5, 1, 9, 32, 80),  # G = 9: query heads in groups of 4, 4 and 1
         (4, 4, 1, 128, 192),  # multi-head (G = 1), H = 128: the values in two passes
         (2, 2, 6, 80, 32),  # H = 80: 4 + 1 vectors of the head dimension
+        (3, 2, 3, 16, 15),  # S < 16: one partial chunk
+        (4, 2, 3, 64, 197),  # S = 12 chunks + 5 slots
     ],
 )
 def test_matches_float64_reference(r, kv, g, h, s):
@@ -70,21 +72,48 @@ def test_matches_float64_reference(r, kv, g, h, s):
     np.testing.assert_allclose(out, xla, rtol=0, atol=1e-6)
 
 
-def test_reads_only_attended_slots():
+@pytest.mark.parametrize("s, wide", [(96, 32), (96, 5), (90, 37)])
+def test_reads_only_attended_slots(s, wide):
     """Bitwise: NaN and inf in every slot a row does not attend to (padding, slots not yet
     written, past its last) change nothing; nor does widening the cache by unattended
-    slots (the engine's and the static sampler's caches differ in width)."""
-    q, k, v, ok = _operands(6, 2, 3, 64, 96, seed=1)
+    slots, to a width that need not be a multiple of 16 (the engine's views and the static
+    sampler's cache differ in width)."""
+    q, k, v, ok = _operands(6, 2, 3, 64, s, seed=1)
+    ok[1, :40] = False  # a row whose first attended slot is past two whole chunks
+    ok[1, 40:50] = True
     out = _attend(q, k, v, ok)
     k_bad, v_bad = k.copy(), v.copy()
     k_bad[np.broadcast_to(~ok[:, None, None, :], k.shape)] = np.nan
     v_bad[np.broadcast_to(~ok[:, None, :, None], v.shape)] = np.inf
     np.testing.assert_array_equal(_attend(q, k_bad, v_bad, ok), out)
-    wide = 32
     k_wide = np.concatenate([k, np.full((*k.shape[:3], wide), np.nan, np.float32)], 3)
     v_wide = np.concatenate([v, np.full((*v.shape[:2], wide, v.shape[3]), np.nan, np.float32)], 2)
     ok_wide = np.concatenate([ok, np.zeros((ok.shape[0], wide), bool)], 1)
     np.testing.assert_array_equal(_attend(q, k_wide, v_wide, ok_wide), out)
+
+
+def test_scores_far_below_the_max():
+    """Scores spread over hundreds (exp reaches its underflow, below -86, and every
+    exponent between): within 1e-5 of float64, and a row attending to no slot gives 0."""
+    q, k, v, ok = _operands(4, 2, 3, 32, 64, seed=6)
+    out = np.asarray(jax.jit(da.decode_attention, static_argnums=4)(q, k, v, ok, 10.0))
+    scores = np.einsum("rcgh,rchs->rcgs", q.astype(np.float64), k.astype(np.float64)) * 10.0
+    scores = np.where(ok[:, None, None, :], scores, -np.inf)
+    assert (scores.max(-1) - np.where(np.isinf(scores), np.inf, scores).min(-1)).max() > 200
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("rcgs,rcsh->rcgh", p, v.astype(np.float64))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
+    ok[2] = False
+    out = _attend(q, k, v, ok)
+    np.testing.assert_array_equal(out[2], 0.0)
+
+
+def test_lowers_to_the_custom_call():
+    """On CPU the jitted function is the FFI call (not XLA's fallback)."""
+    q, k, v, ok = _operands(2, 2, 3, 16, 20, seed=7)
+    text = jax.jit(da.decode_attention, static_argnums=4).lower(q, k, v, ok, SCALE).as_text()
+    assert da.TARGET in text
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
@@ -96,8 +125,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 def test_other_inputs_use_xla():
-    """bfloat16, or a head dimension or width that is not a multiple of 16, is XLA's
-    attention exactly; wrong shapes are a ValueError."""
+    """bfloat16, or a head dimension that is not a multiple of 16, is XLA's attention
+    exactly; wrong shapes are a ValueError."""
     q, k, v, ok = _operands(2, 2, 2, 64, 48, seed=3)
     qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     np.testing.assert_array_equal(
