@@ -6,7 +6,10 @@ and prefill shapes, right after the runs), given twice: at XLA's own rates (the 
 issue 19 defined it) and at the best of XLA and jaxrlhf's block-matmul kernel (strict).
 The engine decodes every row to 128 tokens (per-row budgets), so both do the same work.
 
-    python benchmarks/g1_engine.py --model bench-m --chunk 16 --reps 4
+    python benchmarks/g1_engine.py --model bench-m --chunk 16 --reps 4 [--transformers]
+
+``--transformers`` adds transformers ``generate`` (PyTorch CPU, 2 threads, the same
+weights; benchmarks/generate.py's run) to every round, for the engine's own ratio.
 """
 
 from __future__ import annotations
@@ -33,17 +36,24 @@ from jaxrlhf.generation.engine import Engine  # noqa: E402
 from jaxrlhf.models import model as model_lib  # noqa: E402
 
 
-def engine_arguments(description: str, reps: int) -> argparse.Namespace:
-    """The engine benchmarks' command line: ``--model``, ``--chunk`` and ``--reps``."""
+def engine_arguments(description: str, reps: int, transformers: bool = False) -> argparse.Namespace:
+    """The engine benchmarks' command line: ``--model``, ``--chunk`` and ``--reps``, and
+    ``--transformers`` where ``transformers``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="bench-m", choices=sorted(g1.MODELS))
     parser.add_argument("--chunk", type=int, default=16, help="engine steps per chunk")
     parser.add_argument("--reps", type=int, default=reps)
+    if transformers:
+        parser.add_argument(
+            "--transformers",
+            action="store_true",
+            help="also time transformers generate (PyTorch CPU, 2 threads) in the same rounds",
+        )
     return parser.parse_args()
 
 
 def main() -> None:
-    args = engine_arguments(__doc__.splitlines()[0], reps=4)
+    args = engine_arguments(__doc__.splitlines()[0], reps=4, transformers=True)
     cfg = g1.MODELS[args.model]()
     params = model_lib.init_params(cfg, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (g1.BATCH, g1.PROMPT))
@@ -66,6 +76,20 @@ def main() -> None:
         return total
 
     runners = {"engine": run_engine, "static": run_static}
+    if args.transformers:
+        import torch
+
+        from benchmarks.pytorch_rl import hf_causal_lm
+
+        torch.set_num_threads(2)
+        hf_model = hf_causal_lm(cfg, params)
+        tokens_t, mask_t = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask).long()
+
+        def run_transformers(key: jax.Array) -> float:
+            seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+            return g1.run_hf(hf_model, tokens_t, mask_t, seed=seed)
+
+        runners["transformers"] = run_transformers
     for name, run in runners.items():
         start = time.perf_counter()
         run(jax.random.key(0))
@@ -94,6 +118,13 @@ def main() -> None:
             f"{[round(t, 3) for t in ts]}), {floors['strict'] / median:.0%} of the strict "
             f"floor, {floors['XLA'] / median:.0%} of XLA's"
         )
+    if "transformers" in times:
+        for name in ("engine", "static"):
+            by_round = [hf / t for hf, t in zip(times["transformers"], times[name], strict=True)]
+            print(
+                f"{name} / transformers: {statistics.median(by_round):.2f}x (median of the "
+                f"rounds' ratios {[round(r, 2) for r in by_round]})"
+            )
 
 
 if __name__ == "__main__":
