@@ -516,7 +516,9 @@ def _step_masks(
 
     Generated slot j holds this row's token j; prompt slots hold real tokens where
     prefix_mask is True. ``step`` is one index for every row ([]), or each row's own ([R], the
-    engine's slots; joint cache only).
+    engine's slots; joint cache only). A row whose step is past the generated slots (an
+    engine slot that does not decode this step: its write is dropped, and so is its output)
+    attends to nothing, so the CPU attention kernel reads none of its cache.
     """
     rows, groups = positions.shape[0], prefix_mask.shape[0]
     n = rows // groups
@@ -538,6 +540,8 @@ def _step_masks(
             out[sliding] = (prefix_ok[:, None, None, :], generated_ok)
         else:  # one [R, 1, 1, P + T] mask over the joint cache
             ok = jnp.concatenate([prefix_ok, jnp.broadcast_to(generated_ok, (rows, num_gen))], 1)
+            if step.ndim == 2:
+                ok &= step < num_gen
             out[sliding] = (ok[:, None, None, :],)
     if step.ndim == 2:
         step = step[:, 0]

@@ -39,6 +39,7 @@ constexpr int kMaxVectors = 1;  // a 16-float vector takes 2-4 narrower register
 #endif
 typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint32_t UVec __attribute__((vector_size(kLanes * 4), aligned(4)));
 
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
@@ -75,7 +76,9 @@ inline Vec ExpNonPositive(Vec x) {
   y = y * r2 + r + 1.0f;
   IVec bits;
   std::memcpy(&bits, &y, sizeof(y));
-  bits += n * (1 << 23);  // 2^n into the exponent (n >= -124: stays normal)
+  // 2^n into the exponent (n >= -124: stays normal), in unsigned arithmetic, which wraps
+  // where a NaN's n would overflow a signed one (the NaN stays a NaN).
+  bits = (IVec)((UVec)bits + ((UVec)n << 23));
   bits &= ~under;
   std::memcpy(&y, &bits, sizeof(y));
   return y;
@@ -247,8 +250,8 @@ void AttendHead(const Shape& d, float scale, const float* q, const float* k, con
   int64_t first = 0, last = d.s - 1;
   while (first < d.s && !row_ok[first]) ++first;
   while (last > first && !row_ok[last]) --last;
-  if (first == d.s) {  // nothing to attend to: 0 (an engine view's row that is not
-    std::fill(o, o + d.g * d.h, 0.0f);  // decoding this step; its output is dropped)
+  if (first == d.s) {  // nothing to attend to: 0 (an engine slot that does not decode
+    std::fill(o, o + d.g * d.h, 0.0f);  // this step is masked out; its output is dropped)
     return;
   }
   // The 16-slot chunks from the first slot with ok to the last: the lane of slot s is
@@ -295,13 +298,13 @@ struct Work {
   void Run() {
     const int64_t stride = (d.s + kLanes - 1) / kLanes * kLanes;
     std::vector<float> scratch(d.g * stride);
-    std::vector<char> row_ok(stride, 0);  // past S: false, never overwritten
+    std::unique_ptr<bool[]> row_ok(new bool[stride]());  // past S: false, never written
     const int64_t heads = d.rows * d.kv;
     for (;;) {
       int64_t i = next.fetch_add(1);
       if (i >= heads) return;
       AttendHead(d, scale, q, k, v, ok, out, i / d.kv, i % d.kv, scratch.data(),
-                 reinterpret_cast<bool*>(row_ok.data()));
+                 row_ok.get());
       done.fetch_add(1, std::memory_order_release);
     }
   }

@@ -153,12 +153,15 @@ def decode_attention(
 
     float32 on CPU with the kernel available and H a multiple of 16: the C++ kernel
     (``decode_attention.cc`` states its summation order; a row's result does not depend on
-    the other rows, on S, or on what unattended slots hold). Anything else:
+    the other rows, on unattended slots appended past its last attended one or prepended in
+    whole 16-slot chunks, or on what unattended slots hold). Anything else:
     :func:`xla_decode_attention`. A row that attends to no slot gets 0 from the kernel and
-    the mean of its values from XLA (an engine view's rows that do not decode this step;
-    their output is dropped).
+    the mean of its values from XLA (the decode masks out every slot of an engine slot that
+    does not decode the step; its output is dropped).
     """
-    if q.ndim != 4 or k.shape != (*q.shape[:2], q.shape[3], ok.shape[1]):
+    r, c, _, h = q.shape if q.ndim == 4 else (None,) * 4
+    s = ok.shape[-1]
+    if q.ndim != 4 or k.shape != (r, c, h, s) or v.shape != (r, c, s, h) or ok.shape != (r, s):
         raise ValueError(
             f"decode_attention: q {q.shape}, k {k.shape}, v {v.shape}, ok {ok.shape} must be "
             "[R, K, G, H], [R, K, H, S], [R, K, S, H], [R, S]"

@@ -294,10 +294,12 @@ def test_views_decode_what_the_whole_state_decodes(setup, data, fsdp, tensor):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_attention_kernel_in_the_engine_and_the_sampler(family, monkeypatch):
     """Head size 16 takes the CPU decode-attention kernel (gemma3: sliding-window layers
-    too). The engine's views (cache widths cut to 8 + 8, 16, ... slots, most not multiples
-    of 16) sample what the static sampler (8 + 21 slots) samples, and both sample what they
-    sample with XLA's attention: tokens equal, log-probs within 1e-5 (float32 sums in
-    another order)."""
+    too) wherever a row has its own cache: the static sampler with one sample per prompt
+    (8 + 21 slots, a partial last chunk) and the engine's views (widths cut to the reachable
+    slots). With two samples per prompt the static sampler attends with XLA's einsums over
+    its shared-prompt cache, and the engine samples what it samples. Each path samples what
+    it samples with XLA's attention everywhere: tokens equal, log-probs within 1e-5 (float32
+    sums in another order)."""
     from jaxrlhf.kernels import decode_attention as da
 
     if not da.available():
@@ -308,23 +310,36 @@ def test_attention_kernel_in_the_engine_and_the_sampler(family, monkeypatch):
     rng = np.random.default_rng(4)
     tokens = rng.integers(60, cfg.vocab_size, (B, P)).astype(np.int32)
     mask = np.arange(P)[None] >= rng.integers(0, P - 1, B)[:, None]
-    sampling = SamplingParams(max_new_tokens=21, n=2, stop_token_ids=STOP[:4], pad_token_id=0)
+    stops = dict(max_new_tokens=21, stop_token_ids=STOP[:4], pad_token_id=0)
+    alone, pairs = SamplingParams(n=1, **stops), SamplingParams(n=2, **stops)
     key = jax.random.key(5)
-    calls = []
+    widths = []  # the cache widths the kernel was traced for
     kernel = da._partitioned
 
     def counted(*args):
-        calls.append(args[0].shape)
+        widths.append(args[1].shape[3])
         return kernel(*args)
 
+    def run(make, sampling):
+        widths.clear()
+        return make().generate(params, tokens, mask, key, sampling)
+
     monkeypatch.setattr(da, "_partitioned", counted)
-    ref = jax.device_get(Sampler(cfg).generate(params, tokens, mask, key, sampling))
-    out = Engine(Sampler(cfg), slots=4, chunk=3).generate(params, tokens, mask, key, sampling)
-    assert calls  # traced through the kernel
-    _same(out.finished, ref, np.arange(B * 2))
+    sampler_one = jax.device_get(run(lambda: Sampler(cfg), alone))
+    assert widths and set(widths) == {P + 21}
+    sampler_two = jax.device_get(run(lambda: Sampler(cfg), pairs))
+    assert not widths  # the shared-prompt cache
+    engine = run(lambda: Engine(Sampler(cfg), slots=4, chunk=3), pairs)
+    assert widths and any(w % 16 for w in widths)
+    _same(engine.finished, sampler_two, np.arange(B * 2))
+
     monkeypatch.setattr(da, "available", lambda: False)
-    calls.clear()
-    xla = jax.device_get(Sampler(cfg).generate(params, tokens, mask, key, sampling))
-    assert not calls
-    np.testing.assert_array_equal(xla.tokens, ref.tokens)
-    np.testing.assert_allclose(xla.model_logprobs, ref.model_logprobs, atol=1e-5)
+    xla_one = jax.device_get(run(lambda: Sampler(cfg), alone))
+    xla_engine = run(lambda: Engine(Sampler(cfg), slots=4, chunk=3), pairs)
+    assert not widths
+    np.testing.assert_array_equal(xla_one.tokens, sampler_one.tokens)
+    np.testing.assert_allclose(xla_one.model_logprobs, sampler_one.model_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(xla_engine.finished.tokens, engine.finished.tokens)
+    np.testing.assert_allclose(
+        xla_engine.finished.model_logprobs, engine.finished.model_logprobs, atol=1e-5
+    )

@@ -90,6 +90,26 @@ def test_reads_only_attended_slots(s, wide):
     v_wide = np.concatenate([v, np.full((*v.shape[:2], wide, v.shape[3]), np.nan, np.float32)], 2)
     ok_wide = np.concatenate([ok, np.zeros((ok.shape[0], wide), bool)], 1)
     np.testing.assert_array_equal(_attend(q, k_wide, v_wide, ok_wide), out)
+    # 32 unattended slots in front: the same lanes, two more chunks skipped.
+    k_front = np.concatenate([np.full((*k.shape[:3], 32), np.nan, np.float32), k], 3)
+    v_front = np.concatenate([np.full((*v.shape[:2], 32, v.shape[3]), np.nan, np.float32), v], 2)
+    ok_front = np.concatenate([np.zeros((ok.shape[0], 32), bool), ok], 1)
+    np.testing.assert_array_equal(_attend(q, k_front, v_front, ok_front), out)
+
+
+def test_rows_in_a_partial_chunk_and_single_slots():
+    """A row whose attended slots all lie in the partial last chunk (S = 45: slots 32..44),
+    and rows of one attended slot (the output is that slot's value, exactly)."""
+    q, k, v, ok = _operands(4, 2, 3, 32, 45, seed=8)
+    ok[:] = False
+    ok[0, 33:45] = True
+    ok[1, 44] = True
+    ok[2, 0] = True
+    ok[3, 17] = True
+    out = _attend(q, k, v, ok)
+    np.testing.assert_allclose(out, _reference(q, k, v, ok), rtol=0, atol=1e-5)
+    for row, slot in ((1, 44), (2, 0), (3, 17)):
+        np.testing.assert_array_equal(out[row], np.repeat(v[row, :, slot][:, None], 3, 1))
 
 
 def test_scores_far_below_the_max():
@@ -161,3 +181,8 @@ def test_partitions_over_rows_and_heads(spec):
     out = jax.jit(da.decode_attention, static_argnums=4)(*args, SCALE)
     np.testing.assert_array_equal(np.asarray(out), one)
     assert (*out.sharding.spec, None, None)[:2] == tuple(spec)  # no gather of the output
+    # q and ok laid out otherwise (replicated): the kernel follows the cache's layout.
+    args[0] = jax.device_put(q, NamedSharding(mesh, P()))
+    args[3] = jax.device_put(ok, NamedSharding(mesh, P()))
+    out = jax.jit(da.decode_attention, static_argnums=4)(*args, SCALE)
+    np.testing.assert_array_equal(np.asarray(out), one)
