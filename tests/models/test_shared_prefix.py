@@ -182,8 +182,12 @@ def test_long_prompts_and_responses_in_causal_blocks_equal_full_attention(family
     cols = np.s_[:, p:]
     np.testing.assert_allclose(blocked[cols][resp], full[cols][resp], atol=1e-5, rtol=0)
     np.testing.assert_allclose(blocked[cols][resp], unpacked[cols][resp], atol=1e-5, rtol=0)
+    # A gradient entry sums ~450 token contributions, and one block and two sum them in a
+    # different order, so its f32 rounding scales with the leaf's largest entries, not with
+    # the entry itself: atol is 1e-5 of the leaf's largest magnitude (an Intel Emerald Rapids
+    # VM measured 1.2e-4 on an entry of 1.0 in an embedding gradient whose entries reach ~13).
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-5),
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=2e-5),
         blocked_grads,
         full_grads,
     )

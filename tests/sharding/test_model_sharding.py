@@ -1,8 +1,11 @@
 """The model on an 8-device CPU mesh equals the model on one device.
 
 Tolerances: sharded matmuls and reductions sum in a different order than the single-device
-program; in float32 with outputs of size ~1-10 that is <= ~1e-6 relative. We use 1e-5
-absolute on losses/logits and atol 1e-6 + rtol 1e-4 on gradients (many are ~1e-4 in size).
+program, and the order also depends on the vector width XLA's CPU code uses on the machine.
+In float32 with logits up to ~7 in size that is a few ulps of the largest logit: we use 2e-5
+absolute on losses/logits (an Intel Emerald Rapids VM measured 1.02e-5 on one Mixtral logit,
+expert-parallel over 4 devices), and atol 1e-6 + rtol 1e-4 on gradients (many are ~1e-4 in
+size).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def test_sharded_forward_and_step_equal_single_device(family, mesh_shape):
     sharded_module = build_sharded(cfg, mesh, TRAIN)
 
     logits = jax.jit(functools.partial(M.forward, sharded_module))(sharded_params, tokens_s, mask_s)
-    np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=0)
 
     step = jax.jit(
         functools.partial(_sgd_step, sharded_module),
@@ -96,7 +99,7 @@ def test_sharded_forward_and_step_equal_single_device(family, mesh_shape):
     old_leaf = jax.tree.leaves(sharded_params)[0]
     new_params, loss, grads = step(sharded_params, tokens_s, mask_s)
     assert old_leaf.is_deleted()  # the state was donated to the step
-    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(loss, ref_loss, atol=2e-5, rtol=0)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4), grads, ref_grads
     )
