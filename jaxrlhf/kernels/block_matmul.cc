@@ -87,8 +87,11 @@ void TileRows(int rows, const float* x, int64_t k, const float* w, int64_t b, fl
 
 // All m rows against one block (b columns). The rows go in tiles of at most kMaxRows, as
 // even as they split, so the block is read from memory once and from cache by the others.
+// Meanwhile `next` (the thread's next block, if any) is prefetched: spread over every tile
+// if this block is `warm` (prefetched itself, so no tile waits for memory), else over the
+// tiles after the first, which streams this block from memory.
 void Block(int64_t m, const float* x, int64_t k, const float* w, int64_t b, float* out,
-           int64_t n, const float* next) {
+           int64_t n, const float* next, bool warm) {
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
   const int64_t next_lines = next ? k * b * 4 / 64 : 0;
   int64_t fetched = 0;
@@ -99,11 +102,9 @@ void Block(int64_t m, const float* x, int64_t k, const float* w, int64_t b, floa
       int64_t left = m - r, rows = (left + (tiles - t) - 1) / (tiles - t);
       const float* xr = x + r * k;
       float* o = out + r * n + c;
-      // The first tile streams this block from memory; the others re-read it from cache
-      // and meanwhile pull the next block towards L2, so memory and arithmetic overlap.
       Prefetch pf;
-      if (next && (t > 0 || tiles == 1) && fetched < next_lines) {
-        int64_t later = tiles == 1 ? 1 : tiles - 1;
+      if (next && (t > 0 || tiles == 1 || warm) && fetched < next_lines) {
+        int64_t later = tiles == 1 || warm ? tiles : tiles - 1;
         int64_t share = (next_lines + later - 1) / later;
         pf.at = reinterpret_cast<const char*>(next) + fetched * 64;
         pf.lines = std::min(share, next_lines - fetched);
@@ -118,9 +119,11 @@ void Block(int64_t m, const float* x, int64_t k, const float* w, int64_t b, floa
   }
 }
 
-// Blocks are claimed from a shared counter by the calling thread and by helpers on XLA's
-// intra-op pool; the caller waits only for blocks a running thread has claimed, so a
-// helper the pool never gets to costs nothing and cannot deadlock the call.
+// Blocks are claimed from a shared counter, a chunk of them at a time, by the calling
+// thread and by helpers on XLA's intra-op pool; the caller waits only for blocks a running
+// thread has claimed, so a helper the pool never gets to costs nothing and cannot deadlock
+// the call. A thread claims its next chunk as it starts the last block of the current one,
+// so that it knows, and prefetches, the block after every block but its very last.
 struct Work {
   std::atomic<int64_t> next{0}, done{0};
   int64_t blocks, chunk, m, k, b, n;
@@ -128,15 +131,19 @@ struct Work {
   const float* w;
   float* out;
   void Run() {
-    for (;;) {
-      int64_t first = next.fetch_add(chunk);
-      if (first >= blocks) return;
-      int64_t last = std::min(blocks, first + chunk);
+    int64_t first = next.fetch_add(chunk);
+    bool warm = false;  // the thread's first block was not prefetched; the others were
+    while (first < blocks) {
+      int64_t last = std::min(blocks, first + chunk), following = blocks;
       for (int64_t p = first; p < last; ++p) {
-        const float* next = p + 1 < last ? w + (p + 1) * k * b : nullptr;
-        Block(m, x, k, w + p * k * b, b, out + p * b, n, next);
+        if (p + 1 == last) following = next.fetch_add(chunk);
+        int64_t after = p + 1 < last ? p + 1 : following;
+        const float* prefetch = after < blocks ? w + after * k * b : nullptr;
+        Block(m, x, k, w + p * k * b, b, out + p * b, n, prefetch, warm);
+        warm = prefetch != nullptr;
       }
       done.fetch_add(last - first, std::memory_order_release);
+      first = following;
     }
   }
 };

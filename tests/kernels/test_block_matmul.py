@@ -45,11 +45,15 @@ def _reference(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         (13, 768, 3, 64),
         (32, 96, 5, 32),
         (40, 33, 2, 16),
+        (9, 128, 67, 16),
+        (32, 200, 40, 64),
     ],
 )
 def test_matches_numpy(m, k, p, b):
-    """Every shape, including row counts that leave partial tiles (not multiples of 6) and
-    blocks narrower than a tile's columns, within the float32 summation bound."""
+    """Every shape, including row counts that leave partial tiles (not multiples of 6),
+    blocks narrower than a tile's columns, and enough blocks that the threads claim several
+    chunks of them (each thread claims its next chunk ahead, to prefetch its first block),
+    within the float32 summation bound."""
     x, w = _operands(m, k, p, b)
     out = np.asarray(jax.jit(bm.block_matmul)(jnp.asarray(x), jnp.asarray(w)))
     exact, bound = _reference(x, w)
