@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation.cache import DecodeCache
 from jaxrlhf.kernels.block_matmul import block_matmul
-from jaxrlhf.kernels.decode_attention import decode_attention
+from jaxrlhf.kernels.decode_attention import write_and_attend
 from jaxrlhf.models import axes
 from jaxrlhf.models.attention import (
     distinct_rope_tables,
@@ -422,13 +422,12 @@ def _attend_shared(q, layer, prefix_ok, generated_ok, scale, cap):
 
 
 def _attend_joint(q, layer, ok, scale, cap):
-    """Attention over one per-row cache holding prompt and generated slots (n = 1):
-    :func:`~jaxrlhf.kernels.decode_attention.decode_attention` (on CPU, for float32 and a
+    """Attention over one per-row cache holding prompt and generated slots (n = 1) with
+    soft-capped scores, in XLA (without a cap, :func:`_attention` writes and attends by
+    :func:`~jaxrlhf.kernels.decode_attention.write_and_attend`: on CPU, for float32 and a
     head size that is a multiple of 16, a kernel that reads each row's cache only where it
-    attends; else XLA's einsums), or XLA's einsums where the scores are soft-capped."""
+    attends)."""
     _, _, k, v = layer
-    if cap is None:
-        return decode_attention(q, k, v, ok[:, 0, 0, :], scale)
     scores = jnp.einsum("RKGH,RKHS->RKGS", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = jnp.where(ok, softcap(scores * scale, cap), _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
@@ -462,6 +461,16 @@ def _attention(
         k = norm.apply({"params": p["k_norm"]}, k)
     if rope is not None:
         q, k = rotate(q, *rope), rotate(k, *rope)
+    q = q.reshape(rows, kv, n_heads // kv, h)  # [R, K, G, H]; query head n reads kv head n // G
+    scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
+    if prefix_k is None and cap is None:
+        # One region per row: write this token's key/value into each row's slot (in place:
+        # the cache is the loop carry) and attend, in one kernel on CPU.
+        out, gen_k, gen_v = write_and_attend(
+            q, gen_k, gen_v, masks[0][:, 0, 0, :], k[:, 0], v[:, 0],
+            jnp.broadcast_to(slot, (rows,)), scale,
+        )  # fmt: skip
+        return _out_projection(cfg, p, out), gen_k, gen_v
     # Write this token's key/value into its slot (in place: the cache is the loop carry);
     # with one slot per row (the engine's slots at their own steps), a scatter of one column
     # per row.
@@ -476,18 +485,22 @@ def _attention(
         each = jnp.arange(rows)
         gen_k = gen_k.at[each, :, :, slot].set(k[:, 0].astype(gen_k.dtype), mode="drop")
         gen_v = gen_v.at[each, :, slot, :].set(v[:, 0].astype(gen_v.dtype), mode="drop")
-    q = q.reshape(rows, kv, n_heads // kv, h)  # [R, K, G, H]; query head n reads kv head n // G
     layer = (prefix_k, prefix_v, gen_k, gen_v)
-    scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
     if prefix_k is None:
         out = _attend_joint(q, layer, *masks, scale=scale, cap=cap)
     else:
         out = _attend_shared(q, layer, *masks, scale=scale, cap=cap)
+    return _out_projection(cfg, p, out), gen_k, gen_v
+
+
+def _out_projection(cfg: ModelConfig, p: Params, out: Float[Array, "R K G H"]) -> jax.Array:
+    """The attention's output projection: [R, K, G, H] heads -> [R, 1, D]."""
+    rows = out.shape[0]
     o_kernel = p["o_kernel"].astype(cfg.compute_dtype)  # [N*H, D] or its blocks
-    out = blocked_matmul(out.reshape(rows, n_heads * h), o_kernel)[:, None, :]
+    out = blocked_matmul(out.reshape(rows, -1), o_kernel)[:, None, :]
     if cfg.out_bias:
         out = out + p["o_bias"].astype(cfg.compute_dtype)
-    return out, gen_k, gen_v
+    return out
 
 
 def _fused_mlp(

@@ -38,7 +38,9 @@ SOURCE = Path(__file__).with_name("block_matmul.cc")
 def unavailable_reason() -> str | None:
     """None once the kernel is built and registered with XLA (done once per process), else
     why not: turned off by ``JAXRLHF_CPU_KERNELS=0``, or the build failed (also warned)."""
-    return build.register(SOURCE, TARGET, "JaxrlhfBlockMatmul", "CPU decode matmuls use XLA's dot")
+    return build.register(
+        SOURCE, {TARGET: "JaxrlhfBlockMatmul"}, "CPU decode matmuls use XLA's dot"
+    )
 
 
 def available() -> bool:

@@ -121,9 +121,9 @@ def build(source: Path) -> Path:
     raise KernelBuildError(f"{cxx} could not compile {source.name} ({'; '.join(errors)})")
 
 
-def register(source: Path, target: str, symbol: str, without: str) -> str | None:
-    """Builds ``source`` (:func:`build`) and registers its exported FFI handler ``symbol``
-    with XLA as the CPU custom-call target ``target``. Returns None once registered, else why
+def register(source: Path, targets: dict[str, str], without: str) -> str | None:
+    """Builds ``source`` (:func:`build`) and registers its exported FFI handlers with XLA,
+    ``{CPU custom-call target: handler symbol}``. Returns None once registered, else why
     not: ``JAXRLHF_CPU_KERNELS=0`` in the environment, or the build or load failed (also
     warned: "jaxrlhf: {without}, the {source} kernel is unavailable: ...", ``without``
     saying what runs instead). Call it once per process (the kernels' modules cache it)."""
@@ -131,9 +131,10 @@ def register(source: Path, target: str, symbol: str, without: str) -> str | None
         return "turned off by JAXRLHF_CPU_KERNELS=0"
     try:
         library = ctypes.cdll.LoadLibrary(str(build(source)))
-        jax.ffi.register_ffi_target(
-            target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
-        )
+        for target, symbol in targets.items():
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+            )
     except (KernelBuildError, OSError, AttributeError) as e:
         warnings.warn(
             f"jaxrlhf: {without}, the {source.stem} kernel is unavailable: {e}", stacklevel=4

@@ -15,8 +15,13 @@
 // ok in order. exp is Cephes' expf polynomial (within 2 ulp). None of this depends on the
 // other rows, on the cache's width, or on what slots without ok hold.
 //
-// Built on first use by jaxrlhf/kernels/build.py; registered with XLA as the FFI target
-// "jaxrlhf_decode_attention" by jaxrlhf/kernels/decode_attention.py.
+// A second entry point writes each row's new key and value into its slot first, in place
+// (DecodeAttentionWrite): the write then costs little, as the lines it touches are read
+// right after.
+//
+// Built on first use by jaxrlhf/kernels/build.py; registered with XLA as the FFI targets
+// "jaxrlhf_decode_attention" and "jaxrlhf_decode_attention_write" by
+// jaxrlhf/kernels/decode_attention.py.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -286,13 +291,28 @@ void AttendHead(const Shape& d, float scale, const float* q, const float* k, con
           d.h, o);
 }
 
+// Writes row r's new key and value of kv head c into its cache slot slot[r] (none if the
+// slot is outside [0, S)): k's column (one float per cache line of the head-major layout)
+// and v's row.
+void WriteHead(const Shape& d, const float* k_new, const float* v_new, const int32_t* slot,
+               float* k, float* v, int64_t r, int64_t c) {
+  const int64_t s = slot[r];
+  if (s < 0 || s >= d.s) return;
+  const int64_t head = r * d.kv + c;
+  for (int64_t h = 0; h < d.h; ++h) k[(head * d.h + h) * d.s + s] = k_new[head * d.h + h];
+  std::memcpy(v + (head * d.s + s) * d.h, v_new + head * d.h, d.h * sizeof(float));
+}
+
 // (row, kv head) pairs are claimed from a shared counter by the calling thread and by
-// helpers on XLA's intra-op pool, as in block_matmul.cc.
+// helpers on XLA's intra-op pool, as in block_matmul.cc. With `slot` set, each pair first
+// writes its new key and value into the cache (k, v) and then attends over it.
 struct Work {
   std::atomic<int64_t> next{0}, done{0};
   Shape d;
   float scale;
-  const float *q, *k, *v;
+  const float *q, *k_new = nullptr, *v_new = nullptr;
+  float *k, *v;
+  const int32_t* slot = nullptr;
   const bool* ok;
   float* out;
   void Run() {
@@ -303,6 +323,7 @@ struct Work {
     for (;;) {
       int64_t i = next.fetch_add(1);
       if (i >= heads) return;
+      if (slot) WriteHead(d, k_new, v_new, slot, k, v, i / d.kv, i % d.kv);
       AttendHead(d, scale, q, k, v, ok, out, i / d.kv, i % d.kv, scratch.data(),
                  row_ok.get());
       done.fetch_add(1, std::memory_order_release);
@@ -310,28 +331,73 @@ struct Work {
   }
 };
 
+void RunOnPool(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
+  const int64_t heads = work->d.rows * work->d.kv;
+  int64_t threads = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), heads);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < heads) std::this_thread::yield();
+}
+
+bool ShapesOk(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+              ffi::Span<const int64_t> vd, ffi::Span<const int64_t> od) {
+  return qd.size() == 4 && kd.size() == 4 && vd.size() == 4 && od.size() == 2 &&
+         kd[0] == qd[0] && kd[1] == qd[1] && kd[2] == qd[3] && vd[0] == qd[0] &&
+         vd[1] == qd[1] && vd[2] == kd[3] && vd[3] == qd[3] && od[0] == qd[0] &&
+         od[1] == kd[3] && qd[3] % kLanes == 0;
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                            ffi::Buffer<ffi::PRED> ok, ffi::ResultBuffer<ffi::F32> out,
                            float scale) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = ok.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 2 ||
-      kd[0] != qd[0] || kd[1] != qd[1] || kd[2] != qd[3] || vd[0] != qd[0] ||
-      vd[1] != qd[1] || vd[2] != kd[3] || vd[3] != qd[3] || od[0] != qd[0] ||
-      od[1] != kd[3] || qd[3] % kLanes)
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (!ShapesOk(qd, kd, v.dimensions(), ok.dimensions()))
     return ffi::Error::InvalidArgument(
         "decode_attention: q [R, K, G, H], k [R, K, H, S], v [R, K, S, H], ok [R, S] "
         "(H a multiple of 16)");
   auto work = std::make_shared<Work>();
   work->d = Shape{qd[0], qd[1], qd[2], qd[3], kd[3]};
   work->scale = scale;
-  work->q = q.typed_data(); work->k = k.typed_data(); work->v = v.typed_data();
+  work->q = q.typed_data();
+  // Only read: the pointers are non-const for the writing variant below.
+  work->k = const_cast<float*>(k.typed_data());
+  work->v = const_cast<float*>(v.typed_data());
   work->ok = ok.typed_data(); work->out = out->typed_data();
-  const int64_t heads = qd[0] * qd[1];
-  int64_t threads = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), heads);
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < heads) std::this_thread::yield();
+  RunOnPool(pool, work);
+  return ffi::Error::Success();
+}
+
+// The same after writing each row's new key and value into slot[r] of its cache: k_out and
+// v_out are k and v updated (the Python side aliases them to k and v, so the cache is
+// updated in place; were a copy made instead, the inputs are copied over first).
+ffi::Error DecodeAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                ffi::Buffer<ffi::PRED> ok, ffi::Buffer<ffi::F32> k_new,
+                                ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> slot,
+                                ffi::ResultBuffer<ffi::F32> out,
+                                ffi::ResultBuffer<ffi::F32> k_out,
+                                ffi::ResultBuffer<ffi::F32> v_out, float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), nd = k_new.dimensions(),
+       wd = v_new.dimensions(), sd = slot.dimensions();
+  if (!ShapesOk(qd, kd, v.dimensions(), ok.dimensions()) || nd.size() != 3 ||
+      nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != qd[3] || wd.size() != 3 ||
+      wd[0] != nd[0] || wd[1] != nd[1] || wd[2] != nd[2] || sd.size() != 1 || sd[0] != qd[0])
+    return ffi::Error::InvalidArgument(
+        "decode_attention_write: q [R, K, G, H], k [R, K, H, S], v [R, K, S, H], ok [R, S], "
+        "k_new and v_new [R, K, H], slot [R] (H a multiple of 16)");
+  float* kc = k_out->typed_data();
+  float* vc = v_out->typed_data();
+  if (kc != k.typed_data()) std::memcpy(kc, k.typed_data(), k.size_bytes());
+  if (vc != v.typed_data()) std::memcpy(vc, v.typed_data(), v.size_bytes());
+  auto work = std::make_shared<Work>();
+  work->d = Shape{qd[0], qd[1], qd[2], qd[3], kd[3]};
+  work->scale = scale;
+  work->q = q.typed_data(); work->k = kc; work->v = vc;
+  work->k_new = k_new.typed_data(); work->v_new = v_new.typed_data();
+  work->slot = slot.typed_data();
+  work->ok = ok.typed_data(); work->out = out->typed_data();
+  RunOnPool(pool, work);
   return ffi::Error::Success();
 }
 
@@ -344,5 +410,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlhfDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlhfDecodeAttentionWrite, DecodeAttentionWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));

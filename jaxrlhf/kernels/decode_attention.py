@@ -8,7 +8,8 @@ that reads each row's cache only over the 16-slot chunks from its first attended
 its last, and ignores every slot it does not attend to (its score is dropped, its value
 never read). On other platforms, where the kernel cannot be built, or for shapes it does
 not take, it is :func:`xla_decode_attention`, the same function in XLA. It partitions over
-the rows and the kv heads on any mesh.
+the rows and the kv heads on any mesh. :func:`write_and_attend` writes the step's key and
+value into each row's slot first, in the same kernel (the decode loop's use).
 
 ``JAXRLHF_CPU_KERNELS=0`` turns it off (with the block-matmul kernel). For inference only:
 no gradient, no batching rule, and inside ``jax.shard_map`` it needs ``check_vma=False``.
@@ -25,11 +26,12 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.kernels import build
 
 TARGET = "jaxrlhf_decode_attention"
+WRITE_TARGET = "jaxrlhf_decode_attention_write"
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 LANES = 16  # the kernel's vector width: H must be a multiple of it
 
@@ -41,7 +43,9 @@ def unavailable_reason() -> str | None:
     """None once the kernel is built and registered with XLA (once per process), else why
     not (``JAXRLHF_CPU_KERNELS=0``, or the build failed, also warned)."""
     return build.register(
-        SOURCE, TARGET, "JaxrlhfDecodeAttention", "CPU decode attention uses XLA's einsums"
+        SOURCE,
+        {TARGET: "JaxrlhfDecodeAttention", WRITE_TARGET: "JaxrlhfDecodeAttentionWrite"},
+        "CPU decode attention uses XLA's einsums",
     )
 
 
@@ -136,6 +140,137 @@ _partitioned.def_partition(
 )
 
 
+def xla_write_and_attend(
+    q: Float[Array, "R K G H"],
+    k: Float[Array, "R K H S"],
+    v: Float[Array, "R K S H"],
+    ok: Bool[Array, "R S"],
+    k_new: Float[Array, "R K H"],
+    v_new: Float[Array, "R K H"],
+    slot: Int[Array, " R"],
+    scale: float,
+) -> tuple[Float[Array, "R K G H"], Float[Array, "R K H S"], Float[Array, "R K S H"]]:
+    """:func:`write_and_attend` in XLA: a scatter of one slot per row, then
+    :func:`xla_decode_attention`."""
+    each, k, v = jnp.arange(q.shape[0]), jnp.asarray(k), jnp.asarray(v)
+    k = k.at[each, :, :, slot].set(jnp.asarray(k_new, k.dtype), mode="drop")
+    v = v.at[each, :, slot, :].set(jnp.asarray(v_new, v.dtype), mode="drop")
+    return xla_decode_attention(q, k, v, ok, scale), k, v
+
+
+def _write_kernel(q, k, v, ok, k_new, v_new, slot, *, scale: float):
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    call = jax.ffi.ffi_call(WRITE_TARGET, shapes, input_output_aliases={1: 1, 2: 2})
+    return tuple(call(q, k, v, ok, k_new, v_new, slot, scale=np.float32(scale)))
+
+
+def _write_local(q, k, v, ok, k_new, v_new, slot, scale: float):
+    """One device's write and attention: the kernel when the program is lowered for CPU."""
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        ok,
+        k_new,
+        v_new,
+        slot,
+        cpu=functools.partial(_write_kernel, scale=scale),
+        default=functools.partial(xla_write_and_attend, scale=scale),
+    )
+
+
+def _write_infer(scale, mesh, arg_shapes, result_shape):
+    rows, heads = _specs(arg_shapes)
+    return tuple(NamedSharding(mesh, P(rows, heads, None, None)) for _ in range(3))
+
+
+def _write_partition(scale, mesh, arg_shapes, result_shape):
+    rows, heads = _specs(arg_shapes)
+    four = NamedSharding(mesh, P(rows, heads, None, None))
+    new = NamedSharding(mesh, P(rows, heads, None))
+    args = (
+        four,
+        four,
+        four,
+        NamedSharding(mesh, P(rows, None)),
+        new,
+        new,
+        NamedSharding(mesh, P(rows)),
+    )
+
+    def lower(q, k, v, ok, k_new, v_new, slot):
+        return _write_local(q, k, v, ok, k_new, v_new, slot, scale)
+
+    return mesh, lower, (four, four, four), args
+
+
+@functools.partial(custom_partitioning, static_argnums=(7,))
+def _write_partitioned(q, k, v, ok, k_new, v_new, slot, scale: float):
+    return _write_local(q, k, v, ok, k_new, v_new, slot, scale)
+
+
+_write_partitioned.def_partition(
+    infer_sharding_from_operands=_write_infer,
+    partition=_write_partition,
+    sharding_rule=("r c g h, r c h s, r c s h, r s, r c h, r c h, r -> r c g h, r c h s, r c s h"),
+)
+
+
+def _check_shapes(name: str, q, k, v, ok) -> None:
+    r, c, _, h = q.shape if q.ndim == 4 else (None,) * 4
+    s = ok.shape[-1]
+    if q.ndim != 4 or k.shape != (r, c, h, s) or v.shape != (r, c, s, h) or ok.shape != (r, s):
+        raise ValueError(
+            f"{name}: q {q.shape}, k {k.shape}, v {v.shape}, ok {ok.shape} must be "
+            "[R, K, G, H], [R, K, H, S], [R, K, S, H], [R, S]"
+        )
+
+
+def _kernel_takes(q, k, v) -> bool:
+    """Whether the C++ kernel runs: float32, H a multiple of 16, CPU, and built (a non-CPU
+    default backend never builds it: its programs would not use it)."""
+    kernel_ok = all(x.dtype == jnp.float32 for x in (q, k, v)) and q.shape[3] % LANES == 0
+    return kernel_ok and jax.default_backend() == "cpu" and available()
+
+
+def write_and_attend(
+    q: Float[Array, "R K G H"],
+    k: Float[Array, "R K H S"],
+    v: Float[Array, "R K S H"],
+    ok: Bool[Array, "R S"],
+    k_new: Float[Array, "R K H"],
+    v_new: Float[Array, "R K H"],
+    slot: Int[Array, " R"],
+    scale: float,
+) -> tuple[Float[Array, "R K G H"], Float[Array, "R K H S"], Float[Array, "R K S H"]]:
+    """Writes each row's new key and value into its cache slot, then attends over the cache:
+    ``(out, k, v)`` with ``k[r, :, :, slot[r]] = k_new[r]`` and ``v[r, :, slot[r]] =
+    v_new[r]`` (a slot >= S writes nothing) and ``out`` as :func:`decode_attention` of the
+    updated cache.
+
+    The decode step of a per-row cache writes one slot per row, and in the head-major ``k``
+    that slot is one float in each of ``K * H`` cache lines, which XLA's CPU scatter writes
+    one after another, each a miss. Where :func:`decode_attention` runs its kernel, this
+    runs the same kernel with the write folded in (each (row, kv head) writes its slot right
+    before reading the lines it is in) and the cache updated in place (the outputs alias
+    ``k`` and ``v``; give up the inputs, as a loop carry does, or XLA copies them first).
+    Elsewhere: :func:`xla_write_and_attend`. The results are the same either way, bit for bit
+    in ``k`` and ``v``.
+    """
+    _check_shapes("write_and_attend", q, k, v, ok)
+    rows, heads, _, h = q.shape
+    if k_new.shape != (rows, heads, h) or v_new.shape != (rows, heads, h) or slot.shape != (rows,):
+        raise ValueError(
+            f"write_and_attend: k_new {k_new.shape}, v_new {v_new.shape} and slot {slot.shape} "
+            f"must be {(rows, heads, h)}, {(rows, heads, h)} and {(rows,)}"
+        )
+    if not _kernel_takes(q, k, v) or k_new.dtype != jnp.float32 or v_new.dtype != jnp.float32:
+        return xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, scale)
+    return _write_partitioned(
+        q, k, v, ok.astype(jnp.bool_), k_new, v_new, slot.astype(jnp.int32), float(scale)
+    )
+
+
 def decode_attention(
     q: Float[Array, "R K G H"],
     k: Float[Array, "R K H S"],
@@ -159,15 +294,7 @@ def decode_attention(
     the mean of its values from XLA (the decode masks out every slot of an engine slot that
     does not decode the step; its output is dropped).
     """
-    r, c, _, h = q.shape if q.ndim == 4 else (None,) * 4
-    s = ok.shape[-1]
-    if q.ndim != 4 or k.shape != (r, c, h, s) or v.shape != (r, c, s, h) or ok.shape != (r, s):
-        raise ValueError(
-            f"decode_attention: q {q.shape}, k {k.shape}, v {v.shape}, ok {ok.shape} must be "
-            "[R, K, G, H], [R, K, H, S], [R, K, S, H], [R, S]"
-        )
-    kernel_ok = all(x.dtype == jnp.float32 for x in (q, k, v)) and q.shape[3] % LANES == 0
-    # A non-CPU default backend never builds the kernel (its programs would not use it).
-    if not kernel_ok or jax.default_backend() != "cpu" or not available():
+    _check_shapes("decode_attention", q, k, v, ok)
+    if not _kernel_takes(q, k, v):
         return xla_decode_attention(q, k, v, ok, scale)
     return _partitioned(q, k, v, ok.astype(jnp.bool_), float(scale))

@@ -313,8 +313,8 @@ def test_attention_kernel_in_the_engine_and_the_sampler(family, monkeypatch):
     stops = dict(max_new_tokens=21, stop_token_ids=STOP[:4], pad_token_id=0)
     alone, pairs = SamplingParams(n=1, **stops), SamplingParams(n=2, **stops)
     key = jax.random.key(5)
-    widths = []  # the cache widths the kernel was traced for
-    kernel = da._partitioned
+    widths = []  # the cache widths the kernel (which writes the step's slot too) was traced for
+    kernel = da._write_partitioned
 
     def counted(*args):
         widths.append(args[1].shape[3])
@@ -324,7 +324,7 @@ def test_attention_kernel_in_the_engine_and_the_sampler(family, monkeypatch):
         widths.clear()
         return make().generate(params, tokens, mask, key, sampling)
 
-    monkeypatch.setattr(da, "_partitioned", counted)
+    monkeypatch.setattr(da, "_write_partitioned", counted)
     sampler_one = jax.device_get(run(lambda: Sampler(cfg), alone))
     assert widths and set(widths) == {P + 21}
     sampler_two = jax.device_get(run(lambda: Sampler(cfg), pairs))

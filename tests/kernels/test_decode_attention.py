@@ -186,3 +186,88 @@ def test_partitions_over_rows_and_heads(spec):
     args[3] = jax.device_put(ok, NamedSharding(mesh, P()))
     out = jax.jit(da.decode_attention, static_argnums=4)(*args, SCALE)
     np.testing.assert_array_equal(np.asarray(out), one)
+
+
+def _new_entries(r, kv, h, s, seed):
+    """Each row's new key and value, and its slot: row 1's is past the cache (>= S), so it
+    writes nothing; the others are spread over the width, the last row at slot S - 1."""
+    rng = np.random.default_rng(seed)
+    k_new = rng.standard_normal((r, kv, h)).astype(np.float32)
+    v_new = rng.standard_normal((r, kv, h)).astype(np.float32)
+    slot = rng.integers(0, s, r).astype(np.int32)
+    slot[1], slot[-1] = s + 3, s - 1
+    return k_new, v_new, slot
+
+
+def _write_and_attend(*args):
+    return jax.jit(da.write_and_attend, static_argnums=7)(*args, SCALE)
+
+
+@pytest.mark.parametrize("r,kv,g,h,s", [(4, 2, 3, 64, 48), (5, 1, 2, 16, 21)])
+def test_write_and_attend_equals_the_scatter_then_the_attention(r, kv, g, h, s):
+    """Bitwise: the kernel's updated cache is XLA's scatter of one slot per row (a slot >= S
+    writes nothing), and its attention is :func:`decode_attention` over that cache (the
+    rows attend to their new slot: ok includes it)."""
+    q, k, v, ok = _operands(r, kv, g, h, s, seed=11)
+    k_new, v_new, slot = _new_entries(r, kv, h, s, seed=12)
+    ok[np.arange(r), np.minimum(slot, s - 1)] = True
+    out, k_out, v_out = _write_and_attend(q, k, v, ok, k_new, v_new, slot)
+    _, k_ref, v_ref = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
+    np.testing.assert_array_equal(np.asarray(k_out)[1], k[1])  # slot past the cache
+    np.testing.assert_array_equal(np.asarray(out), _attend(q, np.asarray(k_ref), v_ref, ok))
+    text = jax.jit(da.write_and_attend, static_argnums=7).lower(
+        q, k, v, ok, k_new, v_new, slot, SCALE
+    )
+    assert da.WRITE_TARGET in text.as_text()
+
+
+def test_write_and_attend_updates_a_donated_cache_in_place():
+    """With the cache donated (as the decode loop's carry is), the updated cache is the
+    input's buffer: no copy of the cache is made."""
+    q, k, v, ok = _operands(3, 2, 3, 64, 32, seed=13)
+    k_new, v_new, slot = _new_entries(3, 2, 64, 32, seed=14)
+    k_in, v_in = jnp.asarray(k), jnp.asarray(v)
+    pointers = (k_in.unsafe_buffer_pointer(), v_in.unsafe_buffer_pointer())
+    step = jax.jit(da.write_and_attend, static_argnums=7, donate_argnums=(1, 2))
+    _, k_out, v_out = step(q, k_in, v_in, ok, k_new, v_new, slot, SCALE)
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == pointers
+    _, k_ref, _ = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
+
+
+def test_write_and_attend_other_inputs_use_xla():
+    """A head dimension that is not a multiple of 16 is XLA's scatter and attention
+    exactly; wrong shapes of the new entries are a ValueError."""
+    q, k, v, ok = _operands(3, 2, 2, 24, 40, seed=15)
+    k_new, v_new, slot = _new_entries(3, 2, 24, 40, seed=16)
+    got = da.write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
+    want = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="k_new"):
+        da.write_and_attend(q, k, v, ok, k_new[:, :1], v_new, slot, SCALE)
+
+
+@pytest.mark.parametrize("spec", [P("data", None), P("data", "model"), P(None, "model")])
+def test_write_and_attend_partitions_over_rows_and_heads(spec):
+    """On a 2 x 4 mesh, rows and kv heads split any way give one device's results bitwise,
+    laid out as the cache was."""
+    devices = jax.devices()
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("data", "model"))
+    q, k, v, ok = _operands(8, 4, 3, 64, 64, seed=17)
+    k_new, v_new, slot = _new_entries(8, 4, 64, 64, seed=18)
+    one = _write_and_attend(q, k, v, ok, k_new, v_new, slot)
+    four = NamedSharding(mesh, P(*spec, None, None))
+    three = NamedSharding(mesh, P(*spec, None))
+    rows = NamedSharding(mesh, P(spec[0]))
+    args = [jax.device_put(x, four) for x in (q, k, v)]
+    args += [jax.device_put(ok, NamedSharding(mesh, P(spec[0], None)))]
+    args += [jax.device_put(x, three) for x in (k_new, v_new)] + [jax.device_put(slot, rows)]
+    got = _write_and_attend(*args)
+    for a, b in zip(got, one, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert (*a.sharding.spec, None, None)[:2] == tuple(spec)
