@@ -19,9 +19,11 @@ Why this layout (the measurements are in benchmarks/RESULTS.md):
   plain batched matmuls over ``(batch, kv_head)``, reading the cache in place. The model's
   own cache is ``[L, B, S, K, H]``; decoding against it transposes every layer's cache on
   every step (the largest single cost of a naive decode loop).
-* One array per layer (not stacked over layers): the per-step write is an in-place
-  ``dynamic_update_slice`` of one slot and the attention reads the array directly. Slicing a
-  stacked ``[L, ...]`` cache inside the loop copies the layer's slice on every step.
+* One array per layer (not stacked over layers): the per-step write is in place (a
+  ``dynamic_update_slice`` of one slot, or of one slot per row: a scatter, or on CPU the
+  attention kernel's own write, ``kernels.decode_attention.write_and_attend``) and the
+  attention reads the array directly. Slicing a stacked ``[L, ...]`` cache inside the loop
+  copies the layer's slice on every step.
 * With n > 1 the prompt prefix is stored once per prompt, not once per sample: the n samples
   of a group attend to it as n * G query rows of one matmul, so a GRPO group reads its
   prompt's cache once per step instead of n times, and prefill never copies it n times.

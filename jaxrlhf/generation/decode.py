@@ -467,8 +467,7 @@ def _attention(
         # One region per row: write this token's key/value into each row's slot (in place:
         # the cache is the loop carry) and attend, in one kernel on CPU.
         out, gen_k, gen_v = write_and_attend(
-            q, gen_k, gen_v, masks[0][:, 0, 0, :], k[:, 0], v[:, 0],
-            jnp.broadcast_to(slot, (rows,)), scale,
+            q, gen_k, gen_v, masks[0][:, 0, 0, :], k[:, 0], v[:, 0], slot, scale,
         )  # fmt: skip
         return _out_projection(cfg, p, out), gen_k, gen_v
     # Write this token's key/value into its slot (in place: the cache is the loop carry);

@@ -122,28 +122,32 @@ void Block(int64_t m, const float* x, int64_t k, const float* w, int64_t b, floa
 // Blocks are claimed from a shared counter, a chunk of them at a time, by the calling
 // thread and by helpers on XLA's intra-op pool; the caller waits only for blocks a running
 // thread has claimed, so a helper the pool never gets to costs nothing and cannot deadlock
-// the call. A thread claims its next chunk as it starts the last block of the current one,
-// so that it knows, and prefetches, the block after every block but its very last.
+// the call. While at least a chunk per thread is left unclaimed, a thread claims its next
+// chunk as it starts the last block of the current one, so that it knows, and prefetches,
+// the block after; near the end it claims only once it is done (no thread holds a chunk it
+// has not started while another has nothing left to do).
 struct Work {
   std::atomic<int64_t> next{0}, done{0};
-  int64_t blocks, chunk, m, k, b, n;
+  int64_t blocks, chunk, threads, m, k, b, n;
   const float* x;
   const float* w;
   float* out;
   void Run() {
     int64_t first = next.fetch_add(chunk);
-    bool warm = false;  // the thread's first block was not prefetched; the others were
+    bool warm = false;  // whether this block was prefetched (a thread's first is not)
     while (first < blocks) {
-      int64_t last = std::min(blocks, first + chunk), following = blocks;
+      int64_t last = std::min(blocks, first + chunk), following = -1;
       for (int64_t p = first; p < last; ++p) {
-        if (p + 1 == last) following = next.fetch_add(chunk);
+        if (p + 1 == last &&
+            blocks - next.load(std::memory_order_relaxed) >= chunk * threads)
+          following = next.fetch_add(chunk);
         int64_t after = p + 1 < last ? p + 1 : following;
-        const float* prefetch = after < blocks ? w + after * k * b : nullptr;
+        const float* prefetch = after >= 0 && after < blocks ? w + after * k * b : nullptr;
         Block(m, x, k, w + p * k * b, b, out + p * b, n, prefetch, warm);
         warm = prefetch != nullptr;
       }
       done.fetch_add(last - first, std::memory_order_release);
-      first = following;
+      first = following >= 0 ? following : next.fetch_add(chunk);
     }
   }
 };
@@ -158,6 +162,7 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->n = wd[0] * wd[2];
   work->x = x.typed_data(); work->w = w.typed_data(); work->out = out->typed_data();
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  work->threads = threads;
   work->chunk = std::max<int64_t>(1, work->blocks / (4 * threads));
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { work->Run(); });
   work->Run();

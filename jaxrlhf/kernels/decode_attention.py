@@ -147,14 +147,21 @@ def xla_write_and_attend(
     ok: Bool[Array, "R S"],
     k_new: Float[Array, "R K H"],
     v_new: Float[Array, "R K H"],
-    slot: Int[Array, " R"],
+    slot: Int[Array, ""] | Int[Array, " R"],
     scale: float,
 ) -> tuple[Float[Array, "R K G H"], Float[Array, "R K H S"], Float[Array, "R K S H"]]:
-    """:func:`write_and_attend` in XLA: a scatter of one slot per row, then
-    :func:`xla_decode_attention`."""
-    each, k, v = jnp.arange(q.shape[0]), jnp.asarray(k), jnp.asarray(v)
-    k = k.at[each, :, :, slot].set(jnp.asarray(k_new, k.dtype), mode="drop")
-    v = v.at[each, :, slot, :].set(jnp.asarray(v_new, v.dtype), mode="drop")
+    """:func:`write_and_attend` in XLA: one ``dynamic_update_slice`` for a slot shared by
+    every row, else a scatter of one slot per row; then :func:`xla_decode_attention`."""
+    k, v, slot = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot)
+    k_new, v_new = jnp.asarray(k_new, k.dtype), jnp.asarray(v_new, v.dtype)
+    if slot.ndim == 0:
+        k = jax.lax.dynamic_update_slice(k, k_new[..., None], (0, 0, 0, slot))
+        v = jax.lax.dynamic_update_slice(v, v_new[:, :, None], (0, 0, slot, 0))
+    else:
+        each = jnp.arange(q.shape[0])
+        slot = jnp.where(slot < 0, k.shape[3], slot)  # negative: past the cache, dropped
+        k = k.at[each, :, :, slot].set(k_new, mode="drop")
+        v = v.at[each, :, slot, :].set(v_new, mode="drop")
     return xla_decode_attention(q, k, v, ok, scale), k, v
 
 
@@ -240,13 +247,16 @@ def write_and_attend(
     ok: Bool[Array, "R S"],
     k_new: Float[Array, "R K H"],
     v_new: Float[Array, "R K H"],
-    slot: Int[Array, " R"],
+    slot: Int[Array, ""] | Int[Array, " R"],
     scale: float,
 ) -> tuple[Float[Array, "R K G H"], Float[Array, "R K H S"], Float[Array, "R K S H"]]:
     """Writes each row's new key and value into its cache slot, then attends over the cache:
     ``(out, k, v)`` with ``k[r, :, :, slot[r]] = k_new[r]`` and ``v[r, :, slot[r]] =
-    v_new[r]`` (a slot >= S writes nothing) and ``out`` as :func:`decode_attention` of the
-    updated cache.
+    v_new[r]`` and ``out`` as :func:`decode_attention` of the updated cache.
+
+    ``slot`` is one slot per row ([R]; a slot outside ``[0, S)`` writes nothing: the
+    engine's slots that do not decode the step) or one for every row ([], in ``[0, S)``:
+    the static sampler's step).
 
     The decode step of a per-row cache writes one slot per row, and in the head-major ``k``
     that slot is one float in each of ``K * H`` cache lines, which XLA's CPU scatter writes
@@ -259,16 +269,17 @@ def write_and_attend(
     """
     _check_shapes("write_and_attend", q, k, v, ok)
     rows, heads, _, h = q.shape
-    if k_new.shape != (rows, heads, h) or v_new.shape != (rows, heads, h) or slot.shape != (rows,):
+    slot = jnp.asarray(slot)
+    entries_ok = k_new.shape == v_new.shape == (rows, heads, h)
+    if not entries_ok or slot.shape not in ((), (rows,)):
         raise ValueError(
             f"write_and_attend: k_new {k_new.shape}, v_new {v_new.shape} and slot {slot.shape} "
-            f"must be {(rows, heads, h)}, {(rows, heads, h)} and {(rows,)}"
+            f"must be {(rows, heads, h)}, {(rows, heads, h)} and () or {(rows,)}"
         )
     if not _kernel_takes(q, k, v) or k_new.dtype != jnp.float32 or v_new.dtype != jnp.float32:
         return xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, scale)
-    return _write_partitioned(
-        q, k, v, ok.astype(jnp.bool_), k_new, v_new, slot.astype(jnp.int32), float(scale)
-    )
+    slots = jnp.broadcast_to(slot.astype(jnp.int32), (rows,))
+    return _write_partitioned(q, k, v, ok.astype(jnp.bool_), k_new, v_new, slots, float(scale))
 
 
 def decode_attention(

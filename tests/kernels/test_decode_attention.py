@@ -196,6 +196,8 @@ def _new_entries(r, kv, h, s, seed):
     v_new = rng.standard_normal((r, kv, h)).astype(np.float32)
     slot = rng.integers(0, s, r).astype(np.int32)
     slot[1], slot[-1] = s + 3, s - 1
+    if r > 3:
+        slot[2] = -1  # negative: past the cache too (XLA's scatter would wrap it)
     return k_new, v_new, slot
 
 
@@ -216,6 +218,8 @@ def test_write_and_attend_equals_the_scatter_then_the_attention(r, kv, g, h, s):
     np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
     np.testing.assert_array_equal(np.asarray(k_out)[1], k[1])  # slot past the cache
+    if r > 3:
+        np.testing.assert_array_equal(np.asarray(v_out)[2], v[2])  # a negative slot
     np.testing.assert_array_equal(np.asarray(out), _attend(q, np.asarray(k_ref), v_ref, ok))
     text = jax.jit(da.write_and_attend, static_argnums=7).lower(
         q, k, v, ok, k_new, v_new, slot, SCALE
@@ -233,8 +237,37 @@ def test_write_and_attend_updates_a_donated_cache_in_place():
     step = jax.jit(da.write_and_attend, static_argnums=7, donate_argnums=(1, 2))
     _, k_out, v_out = step(q, k_in, v_in, ok, k_new, v_new, slot, SCALE)
     assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == pointers
-    _, k_ref, _ = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
-    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
+    want = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
+    for a, b in zip((k_out, v_out), want[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hlo = step.lower(q, k, v, ok, k_new, v_new, slot, SCALE).compile().as_text()
+    caches = ("f32[3,2,64,32]", "f32[3,2,32,64]")
+    assert not [
+        line
+        for line in hlo.splitlines()
+        if " copy(" in line and line.count(caches[0]) + line.count(caches[1])
+    ]
+
+
+def test_write_and_attend_one_slot_for_every_row():
+    """A scalar slot (the static sampler's step) is the same slot in every row: bitwise the
+    kernel's result for that slot broadcast, and in XLA one dynamic_update_slice."""
+    q, k, v, ok = _operands(3, 2, 3, 64, 32, seed=19)
+    k_new, v_new, _ = _new_entries(3, 2, 64, 32, seed=20)
+    ok[:, 9] = True
+    got = _write_and_attend(q, k, v, ok, k_new, v_new, np.int32(9))
+    want = _write_and_attend(q, k, v, ok, k_new, v_new, np.full(3, 9, np.int32))
+    xla = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, np.int32(9), SCALE)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(got[1:], xla[1:], strict=True):  # the cache; out sums in another order
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = (
+        jax.jit(da.xla_write_and_attend, static_argnums=7)
+        .lower(q, k, v, ok, k_new, v_new, np.int32(9), SCALE)
+        .as_text()
+    )
+    assert "dynamic_update_slice" in text and "scatter" not in text
 
 
 def test_write_and_attend_other_inputs_use_xla():
@@ -246,6 +279,12 @@ def test_write_and_attend_other_inputs_use_xla():
     want = da.xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, SCALE)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = (
+        jax.jit(da.write_and_attend, static_argnums=7)
+        .lower(q, k, v, ok, k_new, v_new, slot, SCALE)
+        .as_text()
+    )
+    assert da.WRITE_TARGET not in text
     with pytest.raises(ValueError, match="k_new"):
         da.write_and_attend(q, k, v, ok, k_new[:, :1], v_new, slot, SCALE)
 
