@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.generation.cache import DecodeCache
 from jaxrlhf.kernels.block_matmul import block_matmul
-from jaxrlhf.kernels.decode_attention import write_and_attend
+from jaxrlhf.kernels.decode_attention import write_and_attend, write_slot
 from jaxrlhf.models import axes
 from jaxrlhf.models.attention import (
     distinct_rope_tables,
@@ -470,20 +470,9 @@ def _attention(
             q, gen_k, gen_v, masks[0][:, 0, 0, :], k[:, 0], v[:, 0], slot, scale,
         )  # fmt: skip
         return _out_projection(cfg, p, out), gen_k, gen_v
-    # Write this token's key/value into its slot (in place: the cache is the loop carry);
-    # with one slot per row (the engine's slots at their own steps), a scatter of one column
-    # per row.
-    if slot.ndim == 0:
-        gen_k = jax.lax.dynamic_update_slice(
-            gen_k, k.transpose(0, 2, 3, 1).astype(gen_k.dtype), (0, 0, 0, slot)
-        )
-        gen_v = jax.lax.dynamic_update_slice(
-            gen_v, v.transpose(0, 2, 1, 3).astype(gen_v.dtype), (0, 0, slot, 0)
-        )
-    else:
-        each = jnp.arange(rows)
-        gen_k = gen_k.at[each, :, :, slot].set(k[:, 0].astype(gen_k.dtype), mode="drop")
-        gen_v = gen_v.at[each, :, slot, :].set(v[:, 0].astype(gen_v.dtype), mode="drop")
+    # Soft-capped scores or the shared-prompt cache: XLA writes (in place: the cache is the
+    # loop carry) and attends.
+    gen_k, gen_v = write_slot(gen_k, gen_v, k[:, 0], v[:, 0], slot)
     layer = (prefix_k, prefix_v, gen_k, gen_v)
     if prefix_k is None:
         out = _attend_joint(q, layer, *masks, scale=scale, cap=cap)

@@ -140,6 +140,30 @@ _partitioned.def_partition(
 )
 
 
+def write_slot(
+    k: Float[Array, "R K H S"],
+    v: Float[Array, "R K S H"],
+    k_new: Float[Array, "R K H"],
+    v_new: Float[Array, "R K H"],
+    slot: Int[Array, ""] | Int[Array, " R"],
+) -> tuple[Float[Array, "R K H S"], Float[Array, "R K S H"]]:
+    """The cache with each row's new key and value in its slot, in XLA (in place where the
+    cache is given up, as a loop carry is): one ``dynamic_update_slice`` for a slot shared
+    by every row ([], in ``[0, S)``), else a scatter of one slot per row ([R]; a slot
+    outside ``[0, S)`` writes nothing). New entries are cast to the cache's dtype."""
+    k, v, slot = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot)
+    k_new, v_new = jnp.asarray(k_new, k.dtype), jnp.asarray(v_new, v.dtype)
+    if slot.ndim == 0:
+        k = jax.lax.dynamic_update_slice(k, k_new[..., None], (0, 0, 0, slot))
+        v = jax.lax.dynamic_update_slice(v, v_new[:, :, None], (0, 0, slot, 0))
+        return k, v
+    each = jnp.arange(k.shape[0])
+    slot = jnp.where(slot < 0, k.shape[3], slot)  # negative: past the cache, dropped
+    k = k.at[each, :, :, slot].set(k_new, mode="drop")
+    v = v.at[each, :, slot, :].set(v_new, mode="drop")
+    return k, v
+
+
 def xla_write_and_attend(
     q: Float[Array, "R K G H"],
     k: Float[Array, "R K H S"],
@@ -150,18 +174,9 @@ def xla_write_and_attend(
     slot: Int[Array, ""] | Int[Array, " R"],
     scale: float,
 ) -> tuple[Float[Array, "R K G H"], Float[Array, "R K H S"], Float[Array, "R K S H"]]:
-    """:func:`write_and_attend` in XLA: one ``dynamic_update_slice`` for a slot shared by
-    every row, else a scatter of one slot per row; then :func:`xla_decode_attention`."""
-    k, v, slot = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot)
-    k_new, v_new = jnp.asarray(k_new, k.dtype), jnp.asarray(v_new, v.dtype)
-    if slot.ndim == 0:
-        k = jax.lax.dynamic_update_slice(k, k_new[..., None], (0, 0, 0, slot))
-        v = jax.lax.dynamic_update_slice(v, v_new[:, :, None], (0, 0, slot, 0))
-    else:
-        each = jnp.arange(q.shape[0])
-        slot = jnp.where(slot < 0, k.shape[3], slot)  # negative: past the cache, dropped
-        k = k.at[each, :, :, slot].set(k_new, mode="drop")
-        v = v.at[each, :, slot, :].set(v_new, mode="drop")
+    """:func:`write_and_attend` in XLA: :func:`write_slot`, then
+    :func:`xla_decode_attention`."""
+    k, v = write_slot(k, v, k_new, v_new, slot)
     return xla_decode_attention(q, k, v, ok, scale), k, v
 
 
