@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from jaxrlhf.kernels import build
+from jaxrlhf.kernels.mesh_axes import entry_names, spec_entry
 
 TARGET = "jaxrlhf_block_matmul"
 SOURCE = Path(__file__).with_name("block_matmul.cc")
@@ -65,35 +66,25 @@ def _local(x: jax.Array, blocks: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(x, blocks, cpu=_kernel, default=einsum_block_matmul)
 
 
-def _names(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _spec_entry(names: tuple[str, ...]) -> object:
-    return None if not names else names[0] if len(names) == 1 else names
-
-
 def _axes(arg_shapes) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """Mesh axes of the rows (from x), the blocks and the contracted axis (from the blocks),
     each kept only where no earlier one uses the same mesh axis."""
     x_spec = tuple(arg_shapes[0].sharding.spec) + (None, None)
     w_spec = tuple(arg_shapes[1].sharding.spec) + (None, None, None)
-    rows = _names(x_spec[0])
-    blocks = tuple(a for a in _names(w_spec[0]) if a not in rows)
-    contracted = tuple(a for a in _names(w_spec[1]) if a not in rows + blocks)
+    rows = entry_names(x_spec[0])
+    blocks = tuple(a for a in entry_names(w_spec[0]) if a not in rows)
+    contracted = tuple(a for a in entry_names(w_spec[1]) if a not in rows + blocks)
     return rows, blocks, contracted
 
 
 def _infer(mesh, arg_shapes, result_shape) -> NamedSharding:
     rows, blocks, _ = _axes(arg_shapes)
-    return NamedSharding(mesh, P(_spec_entry(rows), _spec_entry(blocks), None))
+    return NamedSharding(mesh, P(spec_entry(rows), spec_entry(blocks), None))
 
 
 def _partition(mesh, arg_shapes, result_shape):
     rows, blocks, contracted = _axes(arg_shapes)
-    m, p, k = (_spec_entry(a) for a in (rows, blocks, contracted))
+    m, p, k = (spec_entry(a) for a in (rows, blocks, contracted))
 
     def lower(x: jax.Array, w: jax.Array) -> jax.Array:
         out = _local(x, w)

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.kernels import build
+from jaxrlhf.kernels.mesh_axes import entry_names, spec_entry
 
 TARGET = "jaxrlhf_decode_attention"
 WRITE_TARGET = "jaxrlhf_decode_attention_write"
@@ -85,27 +86,13 @@ def _local(q, k, v, ok, scale: float) -> jax.Array:
     )
 
 
-def _entry(spec: tuple, i: int) -> object:
-    return spec[i] if i < len(spec) else None
-
-
-def _axes(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _as_entry(axes: tuple[str, ...]) -> object:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _specs(arg_shapes) -> tuple[object, object]:
     """The mesh axes of the cache's rows and kv heads (k, the largest operand, keeps its
     layout; q, ok and the output follow it). Other axes are gathered."""
-    spec = tuple(arg_shapes[1].sharding.spec)
-    rows = _axes(_entry(spec, 0))
-    heads = tuple(a for a in _axes(_entry(spec, 1)) if a not in rows)
-    return _as_entry(rows), _as_entry(heads)
+    spec = tuple(arg_shapes[1].sharding.spec) + (None, None)
+    rows = entry_names(spec[0])
+    heads = tuple(a for a in entry_names(spec[1]) if a not in rows)
+    return spec_entry(rows), spec_entry(heads)
 
 
 def _infer(scale, mesh, arg_shapes, result_shape) -> NamedSharding:
