@@ -1,5 +1,6 @@
-"""Test-wide JAX setup: 8 fake CPU devices, fixed before any backend initialises, and one
-persistent XLA compilation cache per test session.
+"""Test-wide JAX setup: 8 fake CPU devices, fixed before any backend initialises, XLA:CPU
+flags for fast compiles (tests/compile_flags.py), and one persistent XLA compilation cache
+per test session.
 
 Most of the suite's time is XLA:CPU compilation, and many tests (and the training processes
 some of them start) compile the very same programs: a fresh on-disk cache, shared through
@@ -13,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+from tests.compile_flags import add_test_flags
+
 # Must run before JAX creates its CPU backend; the device count is fixed at backend init.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU runs each device's share of a multi-device program as a task on one pool of
@@ -24,6 +27,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 16 threads, 2 x 150 s of the same ran clean (benchmarks/RESULTS.md, "The suite's worker
 # aborts"). Test subprocesses inherit it.
 os.environ.setdefault("NPROC", "16")
+# Fast code generation for the suite's tiny programs (tests/compile_flags.py says why);
+# test subprocesses inherit it.
+os.environ["XLA_FLAGS"] = add_test_flags(os.environ.get("XLA_FLAGS", ""))
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="jaxrlhf-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)

@@ -21,6 +21,7 @@ from jaxrlhf.sharding import (
     make_mesh,
     process_local_slice,
 )
+from tests.compile_flags import subprocess_xla_flags
 from tests.sharding import multiprocess_worker as worker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,8 @@ def _run_workers(args: list[list[str]], log_dir: Path, timeout_s: float) -> list
     (minutes). Output goes to files, so a chatty process can never stall on a full pipe.
     """
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    # The worker sets its own device count; it compiles as this process (compared with it).
+    env["XLA_FLAGS"] = subprocess_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     log_paths = [log_dir / f"process_{i}.log" for i in range(len(args))]

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.compile_flags import subprocess_xla_flags
 from tests.train import multihost_worker as worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compile")]
@@ -70,7 +71,8 @@ def _run_workers(
     to files, so a chatty process can never stall on a full pipe.
     """
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    # The worker sets its own device count; it compiles as this process (compared with it).
+    env["XLA_FLAGS"] = subprocess_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     # Every run here is a few steps: compiling dominates, so most XLA optimisations are off
     # (float32 results change only in summation order; both sides of each comparison alike).
@@ -210,7 +212,7 @@ def test_cli_two_processes_train_then_resume(tmp_path):
                 "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
                 "JAX_NUM_PROCESSES": "2",
                 "JAX_PROCESS_ID": str(i),
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "XLA_FLAGS": subprocess_xla_flags("--xla_force_host_platform_device_count=4"),
                 "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
             }
             for i in range(2)
