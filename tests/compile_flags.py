@@ -3,16 +3,20 @@ subprocesses that must compile alike.
 
 Most of the suite's time is XLA:CPU compiling tiny programs, and most of that is code
 generation: LLVM's optimisation passes and the MLIR fusion emitters. The suite compiles
-with LLVM at -O0 and XLA's older loop emitters (``TEST_XLA_FLAGS``): a tiny model's
-train step compiles 2.4x faster, and the full suite ran in 44 min against 55 min with
-XLA's defaults (benchmarks/RESULTS.md, "The suite's compile flags"). Both settings change
-float32 results only in rounding (fused multiply-adds and the order of a few vectorised
-sums), and every comparison in the suite is between programs compiled alike.
+with LLVM at -O0 and XLA's older loop emitters (``TEST_XLA_FLAGS``): tiny models' forward
+and train step compile 2-2.5x faster (``benchmarks/compile_flags.py``), and the full suite
+ran in 44 min against 55 min with XLA's defaults (benchmarks/RESULTS.md, "The suite's
+compile flags"). Both settings change float32 results only in rounding (e.g. where
+multiply-adds are fused), so a comparison between two JAX programs holds only when both
+were compiled alike; the comparisons with NumPy, PyTorch or transformers keep their
+tolerances.
 
-Tests that start a process to compare it against this one must give it the same flags:
-``subprocess_xla_flags``. Runs of the user's commands as a user would run them (the CLI,
-the notebooks, the docs' snippets, the planner's calibration) keep XLA's defaults, so the
-defaults stay exercised. ``JAXRLHF_TEST_XLA_FLAGS=`` (empty) runs the whole suite with
+A test that starts a process to compare its results with this one's gives it the same
+flags: ``subprocess_xla_flags`` (or the inherited ``XLA_FLAGS``). The CLI's own test and
+the notebooks and docs' snippets drop ``XLA_FLAGS``, so XLA's fusion emitters stay
+exercised (the notebooks and snippets still turn most optimisations off with
+``JAX_DISABLE_MOST_OPTIMIZATIONS``). A flag of the same name already in ``XLA_FLAGS`` is
+kept over the tests' value; ``JAXRLHF_TEST_XLA_FLAGS=`` (empty) runs the whole suite with
 XLA's defaults.
 """
 
@@ -22,15 +26,24 @@ import os
 
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 TEST_XLA_FLAGS = os.environ.get("JAXRLHF_TEST_XLA_FLAGS", FAST_COMPILE_FLAGS).strip()
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def _name(flag: str) -> str:
+    return flag.split("=", 1)[0]
 
 
 def add_test_flags(xla_flags: str) -> str:
-    """``xla_flags`` followed by those of the tests' compile flags it does not hold yet."""
+    """``xla_flags`` followed by each of the tests' compile flags whose name it does not
+    hold yet."""
     have = xla_flags.split()
-    return " ".join(have + [f for f in TEST_XLA_FLAGS.split() if f not in have])
+    names = {_name(f) for f in have}
+    return " ".join(have + [f for f in TEST_XLA_FLAGS.split() if _name(f) not in names])
 
 
 def subprocess_xla_flags(*flags: str) -> str:
-    """``XLA_FLAGS`` for a test's subprocess: ``flags`` (e.g. its device count) and the
-    tests' compile flags, none of this process's others."""
-    return add_test_flags(" ".join(flags))
+    """``XLA_FLAGS`` for a test's subprocess: this process's flags without its CPU device
+    count, then ``flags`` (e.g. the subprocess's own device count), then any of the tests'
+    compile flags not there yet."""
+    inherited = [f for f in os.environ.get("XLA_FLAGS", "").split() if _name(f) != _DEVICE_COUNT]
+    return add_test_flags(" ".join([*inherited, *flags]))

@@ -32,8 +32,8 @@ from jaxrlhf.train.preemption import TrainingDiverged
 from jaxrlhf.train.supervised import SupervisedTrainer
 from tests.train.helpers import CONFIGS, config, mesh
 
-# Most XLA optimisations off here and in the subprocesses (_env): same programs on both
-# sides, so bitwise comparisons still hold, at a third less compile time.
+# Most XLA optimisations off here and in the subprocesses (_env, which also keeps the tests'
+# XLA_FLAGS): same programs on both sides, so bitwise comparisons still hold.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compile")]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
