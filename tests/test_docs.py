@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.compile_flags import subprocess_xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = ("python", "bash", "yaml", "text")
@@ -156,8 +158,9 @@ def _page_env(scratch: Path) -> dict[str, str]:
         shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
         shim.chmod(0o755)
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     env.update(
+        # The tests' compile flags, without a CPU device count (a page chooses its own).
+        XLA_FLAGS=subprocess_xla_flags(),
         PATH=os.pathsep.join(filter(None, [str(bin_dir), env.get("PATH")])),
         JAX_PLATFORMS="cpu",
         # As tests/train's fast_compile fixture: snippets run few steps, so XLA's compile
