@@ -3,9 +3,9 @@ subprocesses that must compile alike.
 
 Most of the suite's time is XLA:CPU compiling tiny programs, and most of that is code
 generation: LLVM's optimisation passes and the MLIR fusion emitters. The suite compiles
-with LLVM at -O0 and XLA's older loop emitters (``TEST_XLA_FLAGS``): tiny models' forward
-and train step compile 2-2.5x faster (``benchmarks/compile_flags.py``), and the full suite
-ran in 44 min against 55 min with XLA's defaults (benchmarks/RESULTS.md, "The suite's
+with LLVM at -O0 and XLA's older loop emitters (``TEST_XLA_FLAGS``), which compile the
+tests' programs about twice as fast and run them somewhat slower
+(``benchmarks/compile_flags.py``; the figures are in benchmarks/RESULTS.md, "The suite's
 compile flags"). Both settings change float32 results only in rounding (e.g. where
 multiply-adds are fused), so a comparison between two JAX programs holds only when both
 were compiled alike; the comparisons with NumPy, PyTorch or transformers keep their
@@ -13,12 +13,11 @@ tolerances.
 
 A test that starts a process to compare its results with this one's gives it the same
 flags: ``subprocess_xla_flags`` (or the inherited ``XLA_FLAGS``). So do the notebooks' and
-the docs' runs: they compile faster too (the quickstart notebook's test ran in 52 s instead
-of 67, alone) and share the session's compilation cache with the tests. The CLI's
-own test (``tests/train/test_cli.py``) drops ``XLA_FLAGS``: it runs the command as a user
-does, with XLA's defaults, so those stay exercised. A flag of the same name already in
-``XLA_FLAGS`` is kept over the tests' value; ``JAXRLHF_TEST_XLA_FLAGS=`` (empty) runs the
-whole suite with XLA's defaults.
+the docs' runs, which then compile as fast and share the session's compilation cache with
+the tests. The CLI's own test (``tests/train/test_cli.py``) drops ``XLA_FLAGS``: it runs
+the command as a user does, with XLA's defaults, so those stay exercised. A flag of the
+same name already in ``XLA_FLAGS`` is kept over the tests' value;
+``JAXRLHF_TEST_XLA_FLAGS=`` (empty) runs the whole suite with XLA's defaults.
 """
 
 from __future__ import annotations
