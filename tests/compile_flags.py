@@ -18,11 +18,17 @@ the tests. The CLI's own test (``tests/train/test_cli.py``) drops ``XLA_FLAGS``:
 the command as a user does, with XLA's defaults, so those stay exercised. A flag of the
 same name already in ``XLA_FLAGS`` is kept over the tests' value;
 ``JAXRLHF_TEST_XLA_FLAGS=`` (empty) runs the whole suite with XLA's defaults.
+
+The tests that run one program hundreds of times (the learning tests) spend more on the
+flags' slower code than they save on compiles: inside ``default_codegen()`` they compile
+with XLA's default code generation, as per-compile options over the process's flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 TEST_XLA_FLAGS = os.environ.get("JAXRLHF_TEST_XLA_FLAGS", FAST_COMPILE_FLAGS).strip()
@@ -47,3 +53,40 @@ def subprocess_xla_flags(*flags: str) -> str:
     compile flags not there yet."""
     inherited = [f for f in os.environ.get("XLA_FLAGS", "").split() if _name(f) != _DEVICE_COUNT]
     return add_test_flags(" ".join([*inherited, *flags]))
+
+
+# XLA's own values of the two settings FAST_COMPILE_FLAGS changes, as per-compile options.
+DEFAULT_CODEGEN_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+@contextlib.contextmanager
+def default_codegen() -> Iterator[None]:
+    """Inside, ``jax.jit`` compiles with XLA's default code generation
+    (``DEFAULT_CODEGEN_OPTIONS`` as its ``compiler_options``, over the process's test flags;
+    a call's own options win; ``jax_disable_most_optimizations``, which the ``fast_compile``
+    fixtures set, is off). Programs jitted before entering keep the test flags, and the
+    programs' results differ from the test flags' in rounding only, so only tests that
+    compare with nothing compiled elsewhere may use it. A no-op when the suite runs with
+    XLA's defaults."""
+    if not TEST_XLA_FLAGS:
+        yield
+        return
+    import jax  # here, not at import: tests/conftest.py sets XLA_FLAGS before JAX starts
+
+    original = jax.jit
+
+    def jit(*args, **kwargs):
+        kwargs["compiler_options"] = {
+            **DEFAULT_CODEGEN_OPTIONS,
+            **(kwargs.get("compiler_options") or {}),
+        }
+        return original(*args, **kwargs)
+
+    disabled = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.jit = jit
+    try:
+        yield
+    finally:
+        jax.jit = original
+        jax.config.update("jax_disable_most_optimizations", disabled)

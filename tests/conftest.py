@@ -14,7 +14,9 @@ import os
 import shutil
 import tempfile
 
-from tests.compile_flags import add_test_flags
+import pytest
+
+from tests.compile_flags import add_test_flags, default_codegen
 
 # Must run before JAX creates its CPU backend; the device count is fixed at backend init.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -54,3 +56,12 @@ from tests.crash_rerun import (  # noqa: E402, F401
     pytest_sessionfinish,
     pytest_terminal_summary,
 )
+
+
+@pytest.fixture(name="default_codegen")
+def default_codegen_fixture():
+    """The test's programs compile with XLA's default code generation
+    (``tests/compile_flags.default_codegen``): for learning tests that run hundreds of
+    steps, where the suite's fast-compile flags cost more in run time than they save."""
+    with default_codegen():
+        yield

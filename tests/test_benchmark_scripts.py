@@ -1,7 +1,9 @@
 """The RL benchmark scripts drive the trainer through its pieces (a random prompt source,
 forced response lengths), so a trainer change can break them without breaking any run a user
 makes. Each runs here for one iteration on bench-S; what the iteration did is checked, never
-how long it took (benchmarks are not timed asserts)."""
+how long it took (benchmarks are not timed asserts). They run with placement "one" (every
+phase on device 0), as the scripts do on a 1-device CPU: placement "all" would spread bench-S
+over the suite's 8 fake devices on 2 cores."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def test_random_prompts_resume_where_they_stood():
 
 @pytest.mark.slow
 def test_rl_step_runs_an_r1_iteration(tmp_path):
-    out = rl_step.run("R1", "bench-s", 1, str(tmp_path), pytorch=False)
+    out = rl_step.run("R1", "bench-s", 1, str(tmp_path), pytorch=False, placement="one")
     assert set(rl_step.PHASES) <= set(out) and out["step_s"] > 0 and out["generate_tok_s"] > 0
 
 
@@ -37,7 +39,7 @@ def test_rl_long_forces_the_quantile_lengths(tmp_path):
     response length is the lengths' mean."""
     lengths = rl_long.quantile_lengths()
     assert lengths.max() == rl_long.CAP and np.median(lengths) == pytest.approx(48, abs=2)
-    trainer = rl_long._trainer("bench-s", "engine+stream", "all", str(tmp_path), 16)
+    trainer = rl_long._trainer("bench-s", "engine+stream", "one", str(tmp_path), 16)
     rl_long.force_lengths(trainer, lengths)
     metrics = trainer.step().metrics
     assert metrics["response/length_mean"] == pytest.approx(lengths.mean(), rel=1e-6)
@@ -50,7 +52,7 @@ def test_rl_long_unpacked_baseline_runs_padded_rows(tmp_path):
     """R1-long's baseline from before the rollout engine: the static sampler's rows cut at the
     drawn lengths, then scored and trained padded (no sequence packing)."""
     lengths = rl_long.quantile_lengths()
-    trainer = rl_long._trainer("bench-s", "static unpacked", "all", str(tmp_path), 4)
+    trainer = rl_long._trainer("bench-s", "static unpacked", "one", str(tmp_path), 4)
     rl_long.force_lengths(trainer, lengths)
     metrics = trainer.step().metrics
     assert metrics["response/length_mean"] == pytest.approx(lengths.mean(), rel=1e-6)

@@ -45,6 +45,7 @@ def _eval_batch(trainer, n=8):
     return next(eval_batches(trainer.eval_data, n, trainer.cfg.data.max_length))
 
 
+@pytest.mark.usefixtures("default_codegen")
 def test_sft(tmp_path):
     cfg = config("tiny_sft", tmp_path)
     result = loop.run(cfg)
@@ -76,6 +77,7 @@ def test_sft(tmp_path):
     np.testing.assert_allclose(np.asarray(ours)[mask], ref[mask], atol=1e-4, rtol=0)
 
 
+@pytest.mark.usefixtures("default_codegen")
 def test_reward_model(tmp_path):
     cfg = config("tiny_rm", tmp_path)
     result = loop.run(cfg)
@@ -105,6 +107,7 @@ def test_reward_model(tmp_path):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.usefixtures("default_codegen")
 def test_dpo(tmp_path):
     cfg = config("tiny_dpo", tmp_path)
     result = loop.run(cfg)

@@ -180,6 +180,7 @@ def test_config_errors_are_one_line(tmp_path, overrides, message):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("default_codegen")
 def test_ppo_with_a_shared_trunk_learns_on_the_quickstart(tmp_path):
     """configs/quickstart.yaml's three stages (SFT, reward model, PPO) with the PPO critic a
     Hydra branch from layer 1 of 2: the task reward over the last 10% of iterations clearly

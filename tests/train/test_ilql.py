@@ -23,7 +23,7 @@ from jaxrlhf.models.hf_checkpoint import load_params, save_hf
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.train import ilql, loop
 from jaxrlhf.train.config import ILQLConfig
-from tests.train.helpers import config
+from tests.train.helpers import config, mesh
 
 SHORT = (
     "train.steps=4",
@@ -259,6 +259,7 @@ def test_decoding_stops_rows_at_eos():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("default_codegen")
 def test_ilql_beats_the_behaviour_data_on_held_out_prompts(tmp_path):
     """configs/tiny_ilql.yaml (800 updates). At temperature 1, sampling the behaviour-cloned
     model (decode_beta 0) scores about the behaviour data's mean (~0.74 on the held-out
@@ -266,8 +267,17 @@ def test_ilql_beats_the_behaviour_data_on_held_out_prompts(tmp_path):
     the decode_beta-0 samples by 0.05 each (measured: ~0.93 vs 0.74 and ~0.66; the sampling
     noise of a 128-prompt mean is ~0.02). The export: the language model, loadable as a
     causal LM, and the heads beside it, which restore the ILQL model exactly."""
-    cfg = config("tiny_ilql", tmp_path, "train.eval_every=0", "checkpoint.every=0")
-    result = loop.run(cfg)
+    cfg = config(
+        "tiny_ilql",
+        tmp_path,
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "mesh.fsdp=1",
+        device_count=1,
+    )
+    # One device, as the config runs on a 1-device CPU: its `fsdp: -1` would take the
+    # suite's 8 fake devices; sharded ILQL is the resume test's and test_multihost's.
+    result = loop.run(cfg, mesh=mesh(1, 1, 1))
     final = result.history[-1]
     assert final["eval/reward"] > final["eval/behaviour_reward"] + 0.05, final
     trainer = result.trainer

@@ -46,11 +46,17 @@ def _assert_close(a, b, keys):
 METRICS = ("reward/mean", "kl/seq_mean", "loss/policy", "advantages/abs_mean", "grad_norm")
 
 
+@pytest.fixture(scope="module")
+def static_iteration(tmp_path_factory, fast_compile):
+    """``_iteration`` on the static sampler (what the engine's iterations must equal)."""
+    return _iteration(tmp_path_factory.mktemp("static"))
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_engine_iteration_equals_the_static_one(tmp_path, stream):
+def test_engine_iteration_equals_the_static_one(tmp_path, stream, static_iteration):
     """16 rows through 8 slots (rows wait and reuse slots), stop at EOS: the same samples,
     scores and update as the static sampler's iteration."""
-    static = _iteration(tmp_path)
+    static = static_iteration
     engine = _iteration(tmp_path, *ENGINE, f"grpo.rollout.stream_scoring={str(stream).lower()}")
     assert engine[1]["rollout/decode_chunks"] > 1 and engine[1]["rollout/aborted_groups"] == 0
     for name in ("response/length_mean", "reward/mean"):

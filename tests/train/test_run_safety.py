@@ -208,12 +208,16 @@ def _assert_same_run(resumed: list[dict], whole: list[dict]) -> None:
         )
 
 
-def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 6-iteration GRPO run of ``_grpo`` without a fault: its history."""
+    return loop.run(_grpo(tmp_path_factory.mktemp("whole"))).history
+
+
+def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch, uninterrupted):
     """A step that runs out of device memory stops the run with one line (where, XLA's
     allocation, what to try) after saving the state before it; resuming from there repeats
     the uninterrupted run (its 4th iteration samples the 4th prompts again)."""
-    (tmp_path / "whole").mkdir()
-    whole = loop.run(_grpo(tmp_path / "whole")).history
     _out_of_memory_at_step(monkeypatch, 4)
     cfg = _grpo(tmp_path)
     with pytest.raises(loop.OutOfDeviceMemory) as e:
@@ -226,22 +230,22 @@ def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch):
     ckpt = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), CheckpointConfig())
     assert ckpt.steps() == [3]
     monkeypatch.undo()
-    _assert_same_run(loop.run(cfg).history, whole)
+    _assert_same_run(loop.run(cfg).history, uninterrupted)
 
 
-def test_out_of_memory_after_the_update_keeps_the_state_before_it(tmp_path, monkeypatch):
+def test_out_of_memory_after_the_update_keeps_the_state_before_it(
+    tmp_path, monkeypatch, uninterrupted
+):
     """A step that fails after its update ran (an error read back with its metrics) leaves
     the state the step started from, or, where the update donated it, nothing to save: the
     run resumed from what was saved repeats the uninterrupted run, not step 4's update
     twice."""
-    (tmp_path / "whole").mkdir()
-    whole = loop.run(_grpo(tmp_path / "whole")).history
     _out_of_memory_at_step(monkeypatch, 4, after_update=True)
     cfg = _grpo(tmp_path, "checkpoint.every=2")
     with pytest.raises(loop.OutOfDeviceMemory, match="in step 4 "):
         loop.run(cfg)
     monkeypatch.undo()
-    _assert_same_run(loop.run(cfg).history, whole)
+    _assert_same_run(loop.run(cfg).history, uninterrupted)
 
 
 def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
