@@ -15,7 +15,8 @@ A test that starts a process to compare its results with this one's gives it the
 flags: ``subprocess_xla_flags`` (or the inherited ``XLA_FLAGS``). So do the notebooks' and
 the docs' runs, which then compile as fast and share the session's compilation cache with
 the tests. The CLI's own test (``tests/train/test_cli.py``) drops ``XLA_FLAGS``: it runs
-the command as a user does, with XLA's defaults, so those stay exercised. A flag of the
+the command as a user does, with XLA's defaults, so those stay exercised; so does
+``tests/test_platform.py``'s memory probe, which runs one large program many times. A flag of the
 same name already in ``XLA_FLAGS`` is kept over the tests' value;
 ``JAXRLHF_TEST_XLA_FLAGS=`` (empty) runs the whole suite with XLA's defaults.
 

@@ -82,6 +82,9 @@ print(json.dumps({"reason": reason, "size": size, "allocated": block is not None
 
 def _run(mode: str, program: str = _PROGRAM) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # XLA's own code generation, not the suite's fast-compile flags (tests/compile_flags.py):
+    # the probe runs one large program 56 times and compares with nothing.
+    env.pop("XLA_FLAGS", None)
     # glibc's perturb option would write every byte of a block on malloc and free, making the
     # untouched 2.5 GiB of _LARGE_FREE resident.
     for name in (platform.OPT_OUT_ENV, "MALLOC_PERTURB_", "GLIBC_TUNABLES"):
