@@ -62,16 +62,17 @@ DEFAULT_CODEGEN_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fus
 
 @contextlib.contextmanager
 def default_codegen() -> Iterator[None]:
-    """Inside, ``jax.jit`` compiles with XLA's default code generation
-    (``DEFAULT_CODEGEN_OPTIONS`` as its ``compiler_options``, over the process's test flags;
-    a call's own options win; ``jax_disable_most_optimizations``, which the ``fast_compile``
-    fixtures set, is off). Programs jitted before entering keep the test flags, and the
-    programs' results differ from the test flags' in rounding only, so only tests that
-    compare with nothing compiled elsewhere may use it. A no-op when the suite runs with
-    XLA's defaults."""
-    if not TEST_XLA_FLAGS:
-        yield
-        return
+    """Inside, programs compile with XLA's default code generation: ``jax.jit`` passes
+    ``DEFAULT_CODEGEN_OPTIONS`` as its ``compiler_options`` (per compile, over the process's
+    flags, a user's ``XLA_FLAGS`` included; a call's own options win), and
+    ``jax_disable_most_optimizations``, which the ``fast_compile`` fixtures set, is off.
+
+    A jit wrapper made before entering keeps the flags' code generation (unless first
+    compiled inside, for ``jax_disable_most_optimizations``); the results differ from the
+    flags' in rounding only, so only tests that compare with nothing compiled elsewhere may
+    use it. JAX refuses ``compiler_options`` on a jit nested in a traced function: a wrapper
+    made inside and called from another jit's trace raises (no test's path does). With the
+    suite at XLA's defaults (``JAXRLHF_TEST_XLA_FLAGS=``), ``jax.jit`` is left alone."""
     import jax  # here, not at import: tests/conftest.py sets XLA_FLAGS before JAX starts
 
     original = jax.jit
@@ -85,7 +86,8 @@ def default_codegen() -> Iterator[None]:
 
     disabled = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
-    jax.jit = jit
+    if TEST_XLA_FLAGS:
+        jax.jit = jit
     try:
         yield
     finally:

@@ -2,8 +2,9 @@
 forced response lengths), so a trainer change can break them without breaking any run a user
 makes. Each runs here for one iteration on bench-S; what the iteration did is checked, never
 how long it took (benchmarks are not timed asserts). They run with placement "one" (every
-phase on device 0), as the scripts do on a 1-device CPU: placement "all" would spread bench-S
-over the suite's 8 fake devices on 2 cores."""
+phase on device 0, through the trainer's sub-mesh path): on a 1-device CPU the scripts' "all"
+does the same work, while here it would spread bench-S over the suite's 8 fake devices on 2
+cores."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ def test_default_codegen_compiles_with_xla_defaults_options_and_restores_jit():
     by_hand = jax.jit(_program, compiler_options=DEFAULT_CODEGEN_OPTIONS)(x)
     level_0 = {**DEFAULT_CODEGEN_OPTIONS, "xla_backend_optimization_level": 0}
     own_by_hand = jax.jit(_program, compiler_options=level_0)(x)
+    before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     try:
         with default_codegen():
@@ -51,6 +52,6 @@ def test_default_codegen_compiles_with_xla_defaults_options_and_restores_jit():
             own = jax.jit(_program, compiler_options={"xla_backend_optimization_level": 0})(x)
         assert jax.jit is original and jax.config.read("jax_disable_most_optimizations")
     finally:
-        jax.config.update("jax_disable_most_optimizations", False)
+        jax.config.update("jax_disable_most_optimizations", before)
     np.testing.assert_array_equal(np.asarray(inside), np.asarray(by_hand))
     np.testing.assert_array_equal(np.asarray(own), np.asarray(own_by_hand))
