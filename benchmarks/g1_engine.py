@@ -100,23 +100,29 @@ def main() -> None:
     prefill_flops, decode_flops = g1.workload_flops(cfg)
     d, f = cfg.hidden_size, cfg.intermediate_size
 
-    def floor(kernel: bool) -> float:
+    def floor(kernel: bool) -> tuple[float, str]:
+        """The floor in seconds, and the matmul rates it came from (GFLOP/s)."""
         decode_rate = g1.matmul_rate(g1.BATCH, d, f, reps=40, with_kernel=kernel)
         prefill_rate = g1.matmul_rate(g1.BATCH * g1.PROMPT, d, f, reps=2, with_kernel=kernel)
-        return prefill_flops / prefill_rate + decode_flops / decode_rate
+        rates = f"{decode_rate / 1e9:.0f}/{prefill_rate / 1e9:.0f}"
+        return prefill_flops / prefill_rate + decode_flops / decode_rate, rates
 
     times: dict[str, list[float]] = {name: [] for name in runners}
     floors: dict[str, list[float]] = {"strict": [], "XLA": []}
+    rates: dict[str, list[str]] = {"strict": [], "XLA": []}
     for rep in range(args.reps):
         order = list(runners) if rep % 2 else list(runners)[::-1]
         for name in order:
             times[name].append(runners[name](jax.random.key(rep + 1)))
         for label, kernel in (("strict", True), ("XLA", False)):
-            floors[label].append(floor(kernel))
+            seconds, at = floor(kernel)
+            floors[label].append(seconds)
+            rates[label].append(at)
     for label, fs in floors.items():
         print(
             f"{args.model}, CPU {g1.cpu_model()}: {label} floor by round "
-            f"{[round(x, 3) for x in fs]} s (lowest {min(fs):.3f})"
+            f"{[round(x, 3) for x in fs]} s (lowest {min(fs):.3f}; matmul rates at the decode/"
+            f"prefill shapes by round {rates[label]} GFLOP/s)"
         )
     for name, ts in times.items():
         median = statistics.median(ts)
