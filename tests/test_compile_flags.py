@@ -39,8 +39,6 @@ def test_default_codegen_compiles_with_xla_defaults_options_and_restores_jit():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 32)), jnp.float32) / 8
     original = jax.jit
     by_hand = jax.jit(_program, compiler_options=DEFAULT_CODEGEN_OPTIONS)(x)
-    level_0 = {**DEFAULT_CODEGEN_OPTIONS, "xla_backend_optimization_level": 0}
-    own_by_hand = jax.jit(_program, compiler_options=level_0)(x)
     before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     try:
@@ -48,10 +46,31 @@ def test_default_codegen_compiles_with_xla_defaults_options_and_restores_jit():
             assert jax.jit is not original
             assert not jax.config.read("jax_disable_most_optimizations")
             inside = jax.jit(_program)(x)
-            # a call's own options win over the defaults
-            own = jax.jit(_program, compiler_options={"xla_backend_optimization_level": 0})(x)
         assert jax.jit is original and jax.config.read("jax_disable_most_optimizations")
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
     np.testing.assert_array_equal(np.asarray(inside), np.asarray(by_hand))
-    np.testing.assert_array_equal(np.asarray(own), np.asarray(own_by_hand))
+
+
+@pytest.mark.skipif(not compile_flags.TEST_XLA_FLAGS, reason="the suite runs XLA's defaults")
+def test_default_codegen_keeps_a_calls_own_options_and_arguments(monkeypatch):
+    """What the patched ``jax.jit`` hands JAX's: the call's arguments unchanged, and the
+    defaults with the call's own options over them."""
+    calls = []
+    monkeypatch.setattr(jax, "jit", lambda *args, **kwargs: calls.append((args, kwargs)))
+    with default_codegen():
+        jax.jit(_program, static_argnums=0, compiler_options={"xla_backend_optimization_level": 0})
+        jax.jit(donate_argnums=1)  # the decorator-factory form
+    assert calls == [
+        (
+            (_program,),
+            {
+                "static_argnums": 0,
+                "compiler_options": {
+                    "xla_backend_optimization_level": 0,
+                    "xla_cpu_use_fusion_emitters": True,
+                },
+            },
+        ),
+        ((), {"donate_argnums": 1, "compiler_options": DEFAULT_CODEGEN_OPTIONS}),
+    ]

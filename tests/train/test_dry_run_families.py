@@ -63,10 +63,15 @@ def _grpo(preset: str) -> RunConfig:
     )
 
 
+def _mesh():
+    """The 8 devices as fsdp 4 x tensor 2 (expert and tensor axes both in use)."""
+    return make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+
+
 @pytest.mark.parametrize("preset", COMPILED_PRESETS)
 def test_new_preset_plans_grpo(preset):
     cfg = _grpo(preset)
-    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    mesh = _mesh()
     report = dry_run.plan(cfg, mesh=mesh, source=preset)
     names = {(p.phase, p.name) for p in report.programs}
     assert {("generate", "prefill"), ("generate", "decode"), ("train", "update")} <= names
@@ -81,7 +86,7 @@ def test_other_sizes_validate_and_split_on_the_mesh(preset):
     device, the training rules hold 1/8 of the parameters and the generation rules 1/2
     (tensor only), besides the replicated norm scales."""
     validate(_grpo(preset), 8, source=preset)
-    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    mesh = _mesh()
     model_cfg = getattr(ModelConfig, preset)(num_layers=2)
     named = jax.tree_util.tree_leaves_with_path(M.abstract_params(model_cfg))
     leaves = [leaf for _, leaf in named]
