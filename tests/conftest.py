@@ -1,13 +1,40 @@
-"""Test-wide JAX setup: 8 fake CPU devices, fixed before any backend initialises, XLA:CPU
-flags for fast compiles (tests/compile_flags.py), and one persistent XLA compilation cache
-per test session.
+"""Test-wide setup: the two tiers, 8 fake CPU devices fixed before any backend starts, and
+one persistent XLA compilation cache per session.
 
-Most of the suite's time is XLA:CPU compilation, and many tests (and the training processes
-some of them start) compile the very same programs: a fresh on-disk cache, shared through
-the environment with every subprocess and removed at exit, compiles each program once per
-session. A cached executable is the one the compiler produced for the same program and
-options, so results, including bitwise comparisons across processes, are unchanged.
+Tiers. ``python -m pytest -q`` runs the default tier: every test not marked ``slow``. The
+full tier adds the ``slow`` tests (learning runs, notebooks, docs pages that train,
+multi-process and kill/resume tests, recipe dry runs, planner CLI runs, benchmark scripts,
+anything over ~5 s): ``python -m pytest -q --run-slow``, or ``JAXRLHF_RUN_SLOW=1`` in the
+environment (for scripts that run ``pytest -k`` subsets). ``-m slow --run-slow`` runs the
+slow tests alone. Tests marked ``tpu`` compile for a TPU topology with the TPU compiler
+(``pip install -e ".[tpu]"``); they are slow, and skipped where libtpu is absent.
+
+Compilation. Every test process compiles with XLA's defaults, as users do: no test flags,
+no per-test compiler settings, nothing that changes between tests of one process. Test
+subprocesses inherit the environment, so a comparison across processes compares programs
+compiled alike.
+
+The compilation cache. Many tests (and the processes some start) compile the same
+programs: one on-disk cache, shared through the environment with every worker and
+subprocess, compiles each once per session (``.ci/run`` shares one between its runs). A
+cached executable is the one the compiler produced for the same program and options, so
+results, bitwise comparisons included, are unchanged. JAX writes a cache entry with a plain
+``write_bytes`` and, unless the cache has a size limit, reads it without a lock, so a worker
+could read an entry another was still writing; the limit below makes JAX take its file lock
+around every read and write.
+
+Threads. XLA:CPU runs each device's share of a multi-device program as a task on one pool
+of ``max(NPROC or cores, devices)`` threads, and a share that reaches a collective blocks
+its thread until every share of that program arrives; with two multi-device programs in
+flight (asynchronous dispatch of eager ops on 8-device arrays is enough) the blocked shares
+of both can hold all 8 threads while a share they wait for is still queued, and XLA aborts
+the process after its rendezvous timeout (docs/sharding.md, "Two programs in flight on
+XLA:CPU", and ``benchmarks/cpu_eager_collectives.py`` reproduce it). A pool of twice the
+devices holds two programs, so the suite sets ``NPROC=16``; tests of the library's own
+check of this set ``NPROC`` themselves.
 """
+
+from __future__ import annotations
 
 import atexit
 import os
@@ -16,29 +43,20 @@ import tempfile
 
 import pytest
 
-from tests.compile_flags import add_test_flags, default_codegen
+RUN_SLOW_ENV = "JAXRLHF_RUN_SLOW"
 
 # Must run before JAX creates its CPU backend; the device count is fixed at backend init.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU runs each device's share of a multi-device program as a task on one pool of
-# max(NPROC or cores, devices) threads, and a share that reaches a collective holds its
-# thread until all 8 shares arrive; XLA aborts the process after 40 s of waiting
-# (rendezvous.cc "Termination timeout"). With 8 threads for 8 devices, a loaded host hit
-# it: eager ops of a loss on the trainer's 8-device arrays, beside two busy processes,
-# aborted within 20-40 s in each of two tries (a worker died so in full-suite runs); with
-# 16 threads, 2 x 150 s of the same ran clean (benchmarks/RESULTS.md, "The suite's worker
-# aborts"). Test subprocesses inherit it.
-os.environ.setdefault("NPROC", "16")
-# Fast code generation for the suite's tiny programs (tests/compile_flags.py says why);
-# test subprocesses inherit it.
-os.environ["XLA_FLAGS"] = add_test_flags(os.environ.get("XLA_FLAGS", ""))
+os.environ.setdefault("NPROC", "16")  # see "Threads" above
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="jaxrlhf-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-    # Cache every program, however small or quick to compile.
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+# Cache every program, however small or quick to compile.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# A size limit turns on JAX's file lock around cache reads and writes (see above).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -47,21 +65,21 @@ jax.config.update("jax_num_cpu_devices", 8)
 # whichever test a worker happens to run first.
 assert len(jax.devices()) == 8
 
-# A test whose xdist worker process dies is rerun once in another worker (tests/crash_rerun.py
-# says why); hooks are found by name in a conftest.
-from tests.crash_rerun import (  # noqa: E402, F401
-    pytest_handlecrashitem,
-    pytest_report_teststatus,
-    pytest_runtest_logreport,
-    pytest_sessionfinish,
-    pytest_terminal_summary,
-)
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help=f"run the full tier: the tests marked slow too (or set {RUN_SLOW_ENV}=1)",
+    )
 
 
-@pytest.fixture(name="default_codegen")
-def default_codegen_fixture():
-    """The test's programs compile with XLA's default code generation
-    (``tests/compile_flags.default_codegen``): for learning tests that run hundreds of
-    steps, where the suite's fast-compile flags cost more in run time than they save."""
-    with default_codegen():
-        yield
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The default tier deselects the slow tests (the summary line counts them)."""
+    if config.getoption("run_slow") or os.environ.get(RUN_SLOW_ENV, "") not in ("", "0"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]

@@ -273,6 +273,7 @@ def test_cli_help_lists_options_and_fields(capsys):
         assert needle in out
 
 
+@pytest.mark.slow
 def test_cli_dry_run_prints_sizes(capsys):
     assert main(["--config", CONFIGS[0], "--dry-run", "--set", "mesh.fsdp=-1"]) == 0
     out = capsys.readouterr().out

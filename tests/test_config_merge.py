@@ -174,6 +174,7 @@ def test_cli_overlay_unknown_key_is_one_line_naming_it(tmp_path, capsys):
     assert err.startswith(f"error: {plan}: ppo.rollout.max_stalenes: unknown key (did you mean")
 
 
+@pytest.mark.slow
 def test_cli_dry_run_plans_the_merged_config(tmp_path, capsys):
     """tiny_sft fills the 8 devices with fsdp; the overlay asks for data 2 x fsdp 2 and a
     batch of 8, and the command line then sets the batch to 4: the table shows the overlay's
@@ -218,6 +219,7 @@ def test_dry_run_child_gets_every_config(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == "planned\n"
 
 
+@pytest.mark.slow
 def test_dry_run_child_process_plans_the_merged_config(tmp_path, capsys):
     """The same for real (about 5 s on 2 cores): the child, with 16 CPU devices, prints the
     overlay's mesh."""
@@ -248,18 +250,7 @@ def test_overlays_apply_to_every_pipeline_stage(tmp_path):
     assert str(e.value) == f"{pipeline}: a pipeline file can only be the first --config"
 
 
-@pytest.fixture
-def fast_compile():
-    """Most XLA optimisations off, as tests/train/conftest.py's fixture of that name."""
-    import jax
-
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
-
-
-@pytest.mark.usefixtures("fast_compile")
+@pytest.mark.slow
 def test_run_saves_the_merged_config(tmp_path):
     """A one-step run: the run directory's config.yaml is the merged config, and its header
     names both files."""

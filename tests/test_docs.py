@@ -34,8 +34,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.compile_flags import subprocess_xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = ("python", "bash", "yaml", "text")
@@ -159,19 +157,15 @@ def _page_env(scratch: Path) -> dict[str, str]:
         shim.chmod(0o755)
     env = dict(os.environ)
     env.update(
-        # The tests' compile flags, without a CPU device count (a page chooses its own).
-        XLA_FLAGS=subprocess_xla_flags(),
         PATH=os.pathsep.join(filter(None, [str(bin_dir), env.get("PATH")])),
         JAX_PLATFORMS="cpu",
-        # As tests/train's fast_compile fixture: snippets run few steps, so XLA's compile
-        # time dominates; with most optimisations off the pages run in about 2/3 the time.
-        JAX_DISABLE_MOST_OPTIMIZATIONS="true",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         MPLBACKEND="Agg",
     )
     return env
 
 
+@pytest.mark.slow
 def test_bash_blocks_run_this_interpreter(tmp_path: Path, monkeypatch) -> None:
     """A ``python`` first on the caller's PATH (here one that fails) is not the one used."""
     decoy = tmp_path / "decoy"
@@ -189,6 +183,7 @@ def test_bash_blocks_run_this_interpreter(tmp_path: Path, monkeypatch) -> None:
     assert done.stdout.strip() == sys.executable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_with_code(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
     blocks = _runnable(_page_blocks(page))
@@ -208,12 +203,6 @@ def test_page_snippets_run(page: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, (
         f"a snippet of {page.name} failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
     )
-
-
-@pytest.mark.parametrize("block", NOT_RUN, ids=lambda b: b.where)
-def test_not_run_snippets_are_listed(block: Block) -> None:
-    """Each block marked not-run shows up in the report as a skip with its reason."""
-    pytest.skip(f"{block.where} ({block.lang}) not run: {block.not_run}")
 
 
 def test_not_run_snippets_are_few() -> None:

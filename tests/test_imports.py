@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxrlhf"
 
@@ -191,6 +193,7 @@ def _loaded_after(statement: str) -> set[str]:
     return set(json.loads(out.stdout))
 
 
+@pytest.mark.slow
 def test_config_import_is_light():
     """``import jaxrlhf.config`` (the CLI's --help, config tools, planners) loads neither Flax,
     optax, Orbax, transformers nor the model code: the configs are plain dataclasses."""
@@ -206,6 +209,7 @@ def test_config_import_is_light():
     assert not {m for m in ours if m.startswith(("jaxrlhf.generation", "jaxrlhf.rewards"))}
 
 
+@pytest.mark.slow
 def test_losses_import_alone():
     loaded = _loaded_after("import jaxrlhf.losses")
     assert {m for m in loaded if m.startswith("jaxrlhf.")} == {

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.compile_flags import subprocess_xla_flags
-
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -51,8 +49,7 @@ def _kernel_env(work_dir: Path) -> dict[str, str]:
         MPLBACKEND="module://matplotlib_inline.backend_inline",
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
     )
-    # The tests' compile flags, without a CPU device count (a notebook chooses its own).
-    env["XLA_FLAGS"] = subprocess_xla_flags()
+    env.pop("XLA_FLAGS", None)  # a notebook chooses its own CPU device count
     return env
 
 

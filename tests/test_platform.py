@@ -82,8 +82,6 @@ print(json.dumps({"reason": reason, "size": size, "allocated": block is not None
 
 def _run(mode: str, program: str = _PROGRAM) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # XLA's own code generation, not the suite's fast-compile flags (tests/compile_flags.py):
-    # the probe runs one large program 56 times and compares with nothing.
     env.pop("XLA_FLAGS", None)
     # glibc's perturb option would write every byte of a block on malloc and free, making the
     # untouched 2.5 GiB of _LARGE_FREE resident.
@@ -101,6 +99,7 @@ def _run(mode: str, program: str = _PROGRAM) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
 def test_later_steps_reuse_their_temporary_buffer():
     pages = 128 * 2**20 // 4096

@@ -291,6 +291,7 @@ def test_views_decode_what_the_whole_state_decodes(setup, data, fsdp, tensor):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_attention_kernel_in_the_engine_and_the_sampler(family, monkeypatch):
     """Head size 16 takes the CPU decode-attention kernel (gemma3: sliding-window layers

@@ -230,6 +230,7 @@ def test_waiting_slots_keep_the_wide_views_weights(setup, monkeypatch):
     np.testing.assert_array_equal(a.rewards, b.rewards)
 
 
+@pytest.mark.slow
 def test_sharded_multiturn_equals_one_device(setup):
     cfg, params, tokens, mask = setup
     key = jax.random.key(8)

@@ -16,6 +16,7 @@ from jaxrlhf.generation import Sampler, SamplingParams
 from jaxrlhf.models.hf_checkpoint import load_hf
 from tests.generation.helpers import prompts
 from tests.models.hf_fixtures import FAMILY_CASES, make_hf_model
+from tests.tiers import tiered
 
 torch = pytest.importorskip("torch")
 NEW = 8
@@ -23,7 +24,10 @@ NEW = 8
 
 # Every family; the llama3 RoPE-scaling case is left to the model parity tests (decode uses
 # the same RoPE function as the model).
-@pytest.mark.parametrize("case", sorted(set(FAMILY_CASES) - {"llama3"}))
+@pytest.mark.parametrize(
+    "case",
+    tiered(sorted(set(FAMILY_CASES) - {"llama3"}), ["llama", "gpt2", "gemma2", "qwen3_moe"]),
+)
 def test_greedy_equals_transformers_generate(case, tmp_path):
     hf_model = make_hf_model(case, seed=3)
     hf_model.save_pretrained(tmp_path)

@@ -139,6 +139,7 @@ def test_partials_refuse_episodes_and_other_shapes(setup):
         )
 
 
+@pytest.mark.slow
 def test_a_call_that_ends_soon_after_resuming_carries_the_samples_on(setup):
     """One-token chunks and one group kept, the new group ending after one step: the call
     ends right after the carried samples were resumed. They leave with their carried tokens

@@ -244,6 +244,7 @@ def _batched_matmuls(s: Sampler, params, tokens, mask, sampling: SamplingParams)
     return hlo.count("PMK,PKB->PMB") + hlo.count(f'custom_call_target="{kernel_lib.TARGET}"')
 
 
+@pytest.mark.slow
 def test_a_decode_of_a_few_rows_uses_weight_blocks(monkeypatch):
     """Without the block-matmul kernel, a default sampler on one CPU device with a spare
     core (plain kernels) decodes 4 rows (4 prompts) with weight blocks, as the engine's tail

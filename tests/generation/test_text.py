@@ -60,6 +60,7 @@ def _reference(generator, prompt: str, stop_ids=()) -> str:
     return tok.decode(new[: stops[0] + 1] if stops else new)
 
 
+@pytest.mark.slow
 def test_greedy_equals_a_full_forward_loop(generator):
     completions = generator.generate(PROMPTS, max_new_tokens=NEW)
     expected = [_reference(generator, p) for p in PROMPTS]

@@ -113,6 +113,7 @@ def test_causal_flag_skips_keys_above_the_diagonal():
     assert np.abs(np.asarray(blocked)[:, :64] - np.asarray(full)[:, :64]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_the_model_takes_the_block_path_without_a_cache(monkeypatch):
     """A forward without a cache runs block-causal attention in every layer (and its logits
     equal the full attention's); prefill, which writes a cache, does not."""

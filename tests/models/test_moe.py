@@ -159,6 +159,7 @@ def test_router_logits_and_aux_loss_equal_transformers(case, tmp_path):
     assert float(aux) > 1.0  # k for a uniform router: the comparison is not of zeros
 
 
+@pytest.mark.slow
 def test_add_router_loss_and_a_dense_model():
     """The hook adds coef * aux to the loss and the router metrics; coef 0 logs without
     changing the loss; a dense model's forward captures nothing."""
@@ -184,6 +185,7 @@ def test_add_router_loss_and_a_dense_model():
     assert moe.router_sink() is None  # the context is gone after the block
 
 
+@pytest.mark.slow
 def test_aux_loss_gradient_reaches_the_router_only_through_probabilities():
     """d(aux)/d(router kernel) is nonzero; the last layer's experts get none (their output
     feeds no router); with remat the captured logits are the same."""

@@ -14,6 +14,7 @@ from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.plan.lengths import LengthModel, engine_chunks, engine_replay, parse_lengths
 from jaxrlhf.sharding import MeshConfig, make_mesh
+from tests.tiers import tiered
 
 
 def test_engine_chunks_by_hand():
@@ -29,7 +30,7 @@ def test_engine_chunks_by_hand():
     assert engine_chunks(np.full(8, 9), slots=4, chunk=4, n=2) == (2 * 3, 2)
 
 
-@pytest.mark.parametrize(("slots", "chunk"), [(4, 2), (6, 3), (2, 1)])
+@pytest.mark.parametrize(("slots", "chunk"), tiered([(4, 2), (6, 3), (2, 1)], [(6, 3)]))
 def test_engine_chunks_equal_the_engines_own_count(slots, chunk):
     """12 samples (6 prompts x 2) of lengths 1-12 through the engine: the replay counts the
     chunks it ran, exactly."""
@@ -50,7 +51,10 @@ def test_engine_chunks_equal_the_engines_own_count(slots, chunk):
 
 @pytest.mark.parametrize(
     "shards, keep, token_budget",
-    [(1, None, None), (2, None, None), (1, 8, None), (1, 8, 20)],
+    tiered(
+        [(1, None, None), (2, None, None), (1, 8, None), (1, 8, 20)],
+        [(1, None, None), (1, 8, 20)],
+    ),
     ids=["one_shard", "two_shards", "keep_8", "keep_8_token_budget"],
 )
 def test_engine_replay_picks_the_engines_views(monkeypatch, shards, keep, token_budget):

@@ -69,6 +69,7 @@ def _separated(staleness: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_staleness_overlaps_the_sampler_and_the_learner():
     """One compile prices every staleness bound; at 1 the period is the slower side's,
     at 0 the sum of the phases (hand-checked from the predicted phases)."""
@@ -90,6 +91,7 @@ def test_staleness_overlaps_the_sampler_and_the_learner():
     assert sync.reshard_bytes == 4 * policy
 
 
+@pytest.mark.slow
 def test_the_reference_on_the_sampler_moves_its_forward_to_the_sampler():
     """``placement.reference: sampler``: the reference's forward is priced on the sampler's
     side (a ``generate/reference`` program at scoring's efficiency) and leaves the
@@ -121,6 +123,7 @@ def test_the_reference_on_the_sampler_moves_its_forward_to_the_sampler():
     assert "reference on the sampler" in candidates.describe(overlay, "grpo")
 
 
+@pytest.mark.slow
 def test_depth_extrapolation_matches_a_full_depth_compile(monkeypatch):
     """A 6-layer model priced as a deep one (shallow compiles, extrapolated) against its
     full-depth compiles: FLOPs within 1% of the unrolled model's (layers are identical;
@@ -147,6 +150,7 @@ def test_depth_extrapolation_matches_a_full_depth_compile(monkeypatch):
         assert guess[4] == pytest.approx(loop[4], rel=0.02), real[1]
 
 
+@pytest.mark.slow
 def test_runs_per_iteration_follow_the_config():
     cfg = from_dict({**RUN, "mesh": {"data": 1, "fsdp": 1, "tensor": 1}})
     runs = {(p[0], p[1]): p[2] for p in estimate.compile_plan(cfg).programs}
@@ -235,6 +239,7 @@ INTERLEAVED_CRITIC = {  # the learner (policy, sampler) on device 0, the critic 
 }
 
 
+@pytest.mark.slow
 def test_an_interleaved_critic_is_priced_on_its_own_group():
     """PPO with the critic on a group of its own (``interleaved``, the learner on device 0,
     the critic on device 1) against the same run colocated on one device: the critic's value
@@ -294,6 +299,7 @@ def _packed_rows(lengths, rows, prompt, budget, n):
     return tokens, mask
 
 
+@pytest.mark.slow
 def test_packed_phases_are_priced_at_the_packed_size_of_the_lengths():
     """With a length distribution, sequence-packed scoring and the update cost what they
     cost compiled at the packed size the trainer's packing planner picks for those rows (a
@@ -336,6 +342,7 @@ def test_packed_phases_are_priced_at_the_packed_size_of_the_lengths():
         assert short.phases[phase] < 0.9 * budget.phases[phase]
 
 
+@pytest.mark.slow
 def test_engine_generation_is_priced_on_the_length_distribution():
     """With the rollout engine, the decode program's runs are the chunks the engine would run
     on the lengths (``lengths.engine_chunks``) times its steps per chunk, and the admission

@@ -26,6 +26,7 @@ from jaxrlhf.models import model as M
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.sharding import GENERATE, TRAIN, MeshConfig, activation_sharding, make_mesh, reshard
 from jaxrlhf.sharding.model_sharding import build_sharded, bytes_per_device, param_shardings
+from tests.tiers import tiered
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 
@@ -61,9 +62,15 @@ def _mesh(shape):
 
 @pytest.mark.parametrize(
     "family, mesh_shape",
-    [("llama", m) for m in MESHES]
-    + [("gpt2", (2, 2, 2)), ("qwen3", (2, 2, 2)), ("gemma2", (1, 4, 2)), ("gemma3", (2, 2, 2))]
-    + [("phi3", (2, 2, 2)), ("mixtral", (1, 4, 2)), ("qwen3_moe", (2, 2, 2))],
+    # 8 devices == 1: every mesh shape for llama and one per family in the full tier; the
+    # default tier keeps the data x fsdp x tensor mesh and the MoE's expert parallelism.
+    tiered(
+        [("llama", m) for m in MESHES]
+        + [("gpt2", (2, 2, 2)), ("qwen3", (2, 2, 2)), ("gemma2", (1, 4, 2))]
+        + [("gemma3", (2, 2, 2)), ("phi3", (2, 2, 2)), ("mixtral", (1, 4, 2))]
+        + [("qwen3_moe", (2, 2, 2))],
+        default=[("llama", (2, 2, 2)), ("qwen3_moe", (2, 2, 2))],
+    ),
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x,
 )
 def test_sharded_forward_and_step_equal_single_device(family, mesh_shape):
@@ -177,7 +184,7 @@ def test_generate_layout_forward_equals_train_layout():
     np.testing.assert_allclose(out["generate"], out["train"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("case", tiered(["qwen2", "qwen3_moe"], ["qwen3_moe"]))
 def test_hf_checkpoint_loads_straight_into_shards(case, tmp_path, monkeypatch):
     """Each device reads its shards only: with 4 experts over fsdp 4 (and their width over
     tensor 2), every expert's tensor is read by the 2 devices holding it, not by all 8."""
@@ -215,6 +222,7 @@ def test_hf_checkpoint_loads_straight_into_shards(case, tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_scalar_model_sharded_equals_single_device():
     cfg = _cfg("gemma")
     tokens, mask = _batch(cfg, seed=4)

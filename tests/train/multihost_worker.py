@@ -120,7 +120,6 @@ def main(argv: list[str]) -> None:
     algorithm, run_dir, out_path = argv[3:6]
     # Before anything initialises the backend: 8 devices in all, split over the processes.
     jax.config.update("jax_num_cpu_devices", DEVICES // num_processes)
-    jax.config.update("jax_disable_most_optimizations", True)  # as the tests' fast_compile
     if num_processes > 1:
         distributed.initialize(
             coordinator_address=f"localhost:{port}",

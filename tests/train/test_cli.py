@@ -6,11 +6,11 @@ import json
 import os
 
 import pytest
+import yaml
 
+from jaxrlhf.config import load_config
 from jaxrlhf.train.__main__ import main
 from tests.train.helpers import CONFIGS
-
-pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.mark.slow
@@ -34,9 +34,26 @@ def test_cli_short_run(tmp_path, capsys):
     assert "sft step 2/2 | loss/sft" in out and "eval step 2 | eval/loss/sft" in out
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 2]
-    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "hf", "metrics.jsonl"] or (
-        "metrics.png" in os.listdir(tmp_path)
-    )
+    assert sorted(os.listdir(tmp_path)) == [
+        ".lock",  # the run directory's lock (jaxrlhf/train/run_dir.py), free after the run
+        "checkpoints",
+        "config.yaml",
+        "hf",
+        "metrics.jsonl",
+        "metrics.png",
+    ]
+    # The printed step-2 loss is the logged one, and the plot is a PNG.
+    logged = next(r["loss/sft"] for r in rows if r["step"] == 2 and "loss/sft" in r)
+    printed = float(out.split("sft step 2/2 | loss/sft ")[1].split()[0])
+    assert printed == pytest.approx(logged, rel=1e-3)  # printed with 4 significant digits
+    assert open(tmp_path / "metrics.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # The export holds what was trained: its config says 2 steps, and transformers' config of
+    # the Hugging Face export is the tiny preset's.
+    saved = yaml.safe_load(open(tmp_path / "config.yaml"))
+    assert saved["train"]["steps"] == 2 and saved["output_dir"] == str(tmp_path)
+    hf = json.load(open(tmp_path / "hf" / "config.json"))
+    tiny = load_config(os.path.join(CONFIGS, "tiny_sft.yaml")).model.resolve()
+    assert (hf["num_hidden_layers"], hf["hidden_size"]) == (tiny.num_layers, tiny.hidden_size)
 
 
 def test_cli_data_error_is_one_line(tmp_path, capsys):

@@ -14,8 +14,6 @@ from jaxrlhf.train.config import DPO_LOSS_CHOICES, DPO_VARIANT_LOSSES
 from jaxrlhf.train.reward_model import pair_mask
 from tests.train.helpers import config
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 SMALL = (
     "data.builtin_size=64",
     "data.eval_size=16",

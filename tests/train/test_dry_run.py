@@ -524,7 +524,15 @@ def test_recipes_load_without_data_or_checkpoints(name):
     path = os.path.join(RECIPES, name)
     cfg = load_config(path)
     layout = validate(cfg, dry_run.run_devices(cfg.mesh, cfg.placement), source=path)
-    assert layout.devices == math.prod(layout.mesh_shape) or cfg.placement.generate_mesh
+    # The device count the recipe's name promises ("8xh100", "tpu_v5e_64", "1gpu").
+    named = re.search(r"_(\d+)xh100|_v5e_(\d+)|_(\d+)gpu", name)
+    assert named, f"{name}: name the device count"
+    assert layout.devices == int(next(g for g in named.groups() if g))
+    assert layout.train_devices == math.prod(layout.mesh_shape)
+    if cfg.placement.generate_mesh is None:
+        assert layout.train_devices == layout.devices and layout.generate_shards is None
+    else:  # the sampler's own mesh spans the devices the training mesh leaves
+        assert layout.train_devices < layout.devices and layout.generate_shards
     assert not os.path.exists(cfg.data.train)  # the user's prompt file, not needed here
 
 

@@ -19,7 +19,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.train import loop
 from tests.train.helpers import config
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compile")]
+pytestmark = pytest.mark.slow
 
 
 def _first_last(result, key):
@@ -45,7 +45,6 @@ def _eval_batch(trainer, n=8):
     return next(eval_batches(trainer.eval_data, n, trainer.cfg.data.max_length))
 
 
-@pytest.mark.usefixtures("default_codegen")
 def test_sft(tmp_path):
     cfg = config("tiny_sft", tmp_path)
     result = loop.run(cfg)
@@ -77,7 +76,6 @@ def test_sft(tmp_path):
     np.testing.assert_allclose(np.asarray(ours)[mask], ref[mask], atol=1e-4, rtol=0)
 
 
-@pytest.mark.usefixtures("default_codegen")
 def test_reward_model(tmp_path):
     cfg = config("tiny_rm", tmp_path)
     result = loop.run(cfg)
@@ -107,7 +105,6 @@ def test_reward_model(tmp_path):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.usefixtures("default_codegen")
 def test_dpo(tmp_path):
     cfg = config("tiny_dpo", tmp_path)
     result = loop.run(cfg)

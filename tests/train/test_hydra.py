@@ -59,9 +59,7 @@ def _assert_close(a, b, atol):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=0), a, b)
 
 
-def test_at_init_a_hydra_critic_equals_a_separate_critic_of_the_same_weights(
-    fast_compile, tmp_path
-):
+def test_at_init_a_hydra_critic_equals_a_separate_critic_of_the_same_weights(tmp_path):
     """Both runs start from the same initial policy; the separate critic is a copy of it with
     a value head (``critic_init: policy``), the Hydra critic a copy of its layers from the
     branch up on the shared trunk. Same rollout, same scores, and the update's gradients
@@ -117,7 +115,7 @@ def test_at_init_a_hydra_critic_equals_a_separate_critic_of_the_same_weights(
     jax.tree.map(np.testing.assert_array_equal, hydra.to_plain(ref["trunk"], ref["policy"]), plain0)
 
 
-def test_sampler_on_its_own_mesh_equals_one_mesh(fast_compile, tmp_path):
+def test_sampler_on_its_own_mesh_equals_one_mesh(tmp_path):
     """placement: train on device 0, sample on all 8 devices: the plain policy is rebuilt in
     the training layout and resharded to the sampler's; the same samples and updates as
     everything on device 0 (as ``test_rl``'s full-weight case)."""
@@ -180,7 +178,6 @@ def test_config_errors_are_one_line(tmp_path, overrides, message):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("default_codegen")
 def test_ppo_with_a_shared_trunk_learns_on_the_quickstart(tmp_path):
     """configs/quickstart.yaml's three stages (SFT, reward model, PPO) with the PPO critic a
     Hydra branch from layer 1 of 2: the task reward over the last 10% of iterations clearly

@@ -109,6 +109,7 @@ def test_targets_lay_out_actions_rewards_and_dones_as_trlx():
     np.testing.assert_array_equal(t.nonterminal, [[0, 1, 1, 1, 0, 0], [0] * 6])
 
 
+@pytest.mark.slow
 def test_objective_loss_equals_ilql_loss_on_trlx_indexed_arrays():
     """Reference: trlX's layout built row by row in NumPy (actions_ixs = the positions
     before each response token, states_ixs = those plus the last token, dones = 1 but the
@@ -158,6 +159,7 @@ def test_objective_loss_equals_ilql_loss_on_trlx_indexed_arrays():
     assert float(ilql.weight_fn(batch)) == sum(response_lens)
 
 
+@pytest.mark.slow
 def test_polyak_targets_and_no_optimizer_state_for_them(tmp_path):
     """alpha 0.3 every 2 updates: after update 1 the targets are their initial values (the
     optimizer, weight decay included, never touches them); after update 2 they are
@@ -211,6 +213,7 @@ def test_advantage_weighted_scores_against_numpy():
     np.testing.assert_allclose(full, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_recomputing_every_prefix():
     """Greedy advantage-weighted decoding with the KV cache == re-running the whole prefix
     at every step (tokens exact); rows of different prompt lengths, left-padded."""
@@ -234,6 +237,7 @@ def test_cached_decoding_equals_recomputing_every_prefix():
         assert [int(x) for x in new[row]] == seq[-6:]
 
 
+@pytest.mark.slow
 def test_decoding_stops_rows_at_eos():
     cfg, module, params = _model()
     tokens = jnp.array([[3, 4], [5, 6]], jnp.int32)
@@ -259,7 +263,6 @@ def test_decoding_stops_rows_at_eos():
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("default_codegen")
 def test_ilql_beats_the_behaviour_data_on_held_out_prompts(tmp_path):
     """configs/tiny_ilql.yaml (800 updates). At temperature 1, sampling the behaviour-cloned
     model (decode_beta 0) scores about the behaviour data's mean (~0.74 on the held-out
@@ -305,6 +308,7 @@ def test_ilql_beats_the_behaviour_data_on_held_out_prompts(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, restored, params)
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
     """6 updates with checkpoints every 3; a run directory holding only the step-3
     checkpoint resumes and ends bitwise equal (params, target heads, optimizer state)."""
@@ -322,6 +326,7 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_causal_lm_checkpoint_starts_ilql_with_fresh_heads(tmp_path):
     """From a Hugging Face causal LM: the LM's params are the checkpoint's, the heads random
     and the target Q heads equal to the Q heads."""
@@ -366,6 +371,7 @@ def test_a_reward_function_that_does_not_import_is_a_config_error(tmp_path):
         loop.build_trainer(cfg)
 
 
+@pytest.mark.slow
 def test_rewards_are_standardised_with_the_training_sets_statistics(tmp_path):
     """As trlX: (r - mean) / std over the training records, the held-out ones by the same
     transform; the evaluation's behaviour reward stays the recorded mean."""
@@ -384,6 +390,7 @@ def test_rewards_are_standardised_with_the_training_sets_statistics(tmp_path):
     np.testing.assert_array_equal(off.train_data.extras["reward"], raw)
 
 
+@pytest.mark.slow
 def test_heads_are_float32_in_a_bfloat16_model():
     """A Polyak step of 0.001 must not round away: the heads keep float32 params."""
     cfg = ModelConfig.tiny(param_dtype="bfloat16", dtype="bfloat16")

@@ -23,7 +23,6 @@ from jaxrlhf.models import lora as lora_lib
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.train import dry_run, loop
 from jaxrlhf.train.adapters import ADAPTER_DIR
-from tests.compile_flags import default_codegen
 from tests.models.hf_fixtures import padded_batch
 from tests.train.helpers import CONFIGS, config, mesh
 
@@ -59,6 +58,7 @@ def _hf_logits(hf_model, tokens, mask):
 # ---- what is trained, and the reference ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_trains_and_checkpoints_only_the_adapters(tmp_path):
     cfg = config(
         "tiny_sft",
@@ -89,6 +89,7 @@ def test_sft_trains_and_checkpoints_only_the_adapters(tmp_path):
     assert _leaf_names(arrays["train"].params) == _leaf_names(trainer.state.params)
 
 
+@pytest.mark.slow
 def test_reward_model_trains_adapters_and_its_score_head(tmp_path):
     cfg = config(
         "tiny_rm", tmp_path, "train.steps=2", "optimizer.warmup_steps=0", "lora.rank=2", *QUIET
@@ -140,8 +141,7 @@ def sft_policy(tmp_path_factory):
         os.path.join(CONFIGS, "quickstart", "grpo_sft.yaml"),
         [f"output_dir={out}", "train.steps=200", "mesh.fsdp=1", *QUIET],
     )
-    with default_codegen():  # 200 steps: XLA's default code runs them faster
-        loop.run(cfg, mesh=mesh(1, 1, 1))
+    loop.run(cfg, mesh=mesh(1, 1, 1))
     return str(out / "hf")
 
 
@@ -209,6 +209,7 @@ def _random_adapters(trainer, seed=0):
     return jax.device_put(jax.tree.unflatten(treedef, new), shardings)
 
 
+@pytest.mark.slow
 def test_adapter_sync_equals_full_sync_with_fewer_bytes(tmp_path):
     """On fsdp 8 (the sampler replicates what training shards), the merged weights the
     sampler builds from the adapters equal those merged in the training layout and
@@ -277,7 +278,6 @@ COMMON = (
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fast_compile")
 def test_dpo_on_8_devices_equals_1_device(tmp_path):
     """Adapters, their dropout and the reference (the base) on a data x fsdp x tensor =
     1 x 4 x 2 mesh, against one device: the same two updates."""
@@ -304,7 +304,6 @@ def test_dpo_on_8_devices_equals_1_device(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize(
     "dropout, packed", [(0.1, False), (0.0, True)], ids=["dropout_padded", "packed"]
 )

@@ -56,13 +56,19 @@ def test_plain_progress_lines(capsys):
 
 
 @pytest.mark.parametrize("mode", ["rich", "tqdm"])
-def test_bar_progress(mode):
+def test_bar_progress(mode, capsys):
+    """The bar ends at 3 of 3 steps with the last logged metrics, and a line written through
+    it stands on a line of its own."""
     pytest.importorskip(mode)
     progress = Progress(mode, total=3, description="rm")
     for step in range(1, 4):
-        progress.update(step, {"loss/rm": 0.5}, keys=("loss/rm",))
-    progress.write("eval")
+        progress.update(step, {"loss/rm": step / 4}, keys=("loss/rm",))
+    progress.write("eval step 3 | eval/loss/rm 0.9")
     progress.close()
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "3/3" in out and "loss/rm 0.75" in out
+    assert "\neval step 3 | eval/loss/rm 0.9\n" in "\n" + out.replace("\r", "\n")
 
 
 def test_plot(tmp_path, caplog):

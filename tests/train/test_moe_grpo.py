@@ -20,7 +20,6 @@ from tests.train.helpers import CONFIGS, mesh
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.usefixtures("default_codegen")
 def test_tiny_moe_grpo_learns_with_the_load_balancing_loss(tmp_path):
     stage = os.path.join(CONFIGS, "quickstart")
     quiet = ["logging.progress=none", "logging.plot=false", "mesh.fsdp=1"]

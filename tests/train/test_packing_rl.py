@@ -132,7 +132,7 @@ def _assert_same_iteration(a, b, rollout):
 
 
 @pytest.mark.slow
-def test_packed_ppo_iteration_equals_unpacked(fast_compile, tmp_path):
+def test_packed_ppo_iteration_equals_unpacked(tmp_path):
     """PPO with a critic, KL in the reward (old log-probs scored), 2 epochs x 2 shuffled
     minibatches of 2 micro-batches (4 rows each): packed scoring and update vs padded rows.
     Also the FLOPs: throughput counts the packed slots each phase ran."""
@@ -163,7 +163,7 @@ def test_packed_ppo_iteration_equals_unpacked(fast_compile, tmp_path):
 @pytest.mark.parametrize(
     "models", [("lora.rank=4",), ("ppo.value.branch_layer=1",)], ids=["lora", "hydra_critic"]
 )
-def test_packed_lora_and_hydra_ppo_iterations_equal_unpacked(fast_compile, tmp_path, models):
+def test_packed_lora_and_hydra_ppo_iterations_equal_unpacked(tmp_path, models):
     """The PPO iteration above with LoRA learners (adapters trained over a frozen base) or a
     Hydra critic (both branches over a frozen trunk; one joint scoring forward): their
     scoring and update forwards pack sequences as the plain models' do, to the same 1e-5."""
@@ -181,9 +181,7 @@ def test_packed_lora_and_hydra_ppo_iterations_equal_unpacked(fast_compile, tmp_p
     [("truncate", "token", "0"), ("mask", "sequence", "0.5")],
     ids=["truncate_token", "mask_sequence"],
 )
-def test_packed_iteration_with_rollout_correction_equals_unpacked(
-    fast_compile, tmp_path, correction
-):
+def test_packed_iteration_with_rollout_correction_equals_unpacked(tmp_path, correction):
     """Rollout correction packs like the rest of the update: the sampler's per-token
     log-probs (skewed by up to +-0.7 nats so the weights are truncated or masked) travel with
     the packed rows, and the PPO iteration, its is/* metrics included, equals the padded one
@@ -210,7 +208,7 @@ def test_packed_iteration_with_rollout_correction_equals_unpacked(
 
 
 @pytest.mark.slow
-def test_packed_grpo_iteration_equals_prompt_groups(fast_compile, tmp_path):
+def test_packed_grpo_iteration_equals_prompt_groups(tmp_path):
     """GRPO, 4 prompts x 4 samples, one update on one micro-batch (its forward gives the old
     log-probs): sequences packed, each group's prompt shared where its responses fit, vs
     packed prompt groups (``pack_sequences: false``)."""
@@ -228,7 +226,7 @@ def test_packed_grpo_iteration_equals_prompt_groups(fast_compile, tmp_path):
 
 
 @pytest.mark.slow
-def test_packed_iteration_on_8_devices_equals_one(fast_compile, tmp_path):
+def test_packed_iteration_on_8_devices_equals_one(tmp_path):
     """GRPO packed on a data 2 x fsdp 2 x tensor 2 mesh (each of 4 data shards packs its own
     4 rows) vs one device (16 rows into one block)."""
     rollout, out = _learn_each(

@@ -88,7 +88,7 @@ def _policy_grads(cfg, params, rollout, old, adv):
 
 
 @pytest.fixture(scope="module")
-def grpo(fast_compile, tmp_path_factory):
+def grpo(tmp_path_factory):
     cfg, src = _config(tmp_path_factory.mktemp("grpo"), "grpo", "grpo.loss.kl_coef=0.1")
     trainer = build_rl_trainer(cfg, source=src)  # 8-device mesh (fsdp = 8)
     params0 = jax.device_get(trainer.policy_state.params)
@@ -137,7 +137,7 @@ def test_sampler_and_trainer_logprobs_agree(grpo):
     np.testing.assert_allclose(rollout.sampler_logprobs[resp], old[resp], atol=1e-4)
 
 
-def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
+def test_ppo_iteration_matches_reference(tmp_path):
     cfg, src = _config(tmp_path, "ppo", "ppo.loss.kl_coef=0.1", "ppo.value_clip=null")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     model_cfg = trainer.model_cfg
@@ -200,7 +200,7 @@ def test_ppo_iteration_matches_reference(fast_compile, tmp_path):
     assert metrics["first/policy/ratio_mean"] == 1.0
 
 
-def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(fast_compile, tmp_path):
+def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(tmp_path):
     cfg, src = _config(
         tmp_path,
         "ppo",
@@ -217,7 +217,7 @@ def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(fast_com
     assert m["policy/ratio_max"] != 1.0  # later minibatches see updated params
 
 
-def test_sharded_iteration_equals_single_device(fast_compile, tmp_path):
+def test_sharded_iteration_equals_single_device(tmp_path):
     out = {}
     for name, mesh in (
         ("one", _one_device_mesh()),
@@ -241,7 +241,7 @@ def test_sharded_iteration_equals_single_device(fast_compile, tmp_path):
     )
 
 
-def test_sampler_on_its_own_mesh_equals_one_mesh(fast_compile, tmp_path):
+def test_sampler_on_its_own_mesh_equals_one_mesh(tmp_path):
     """placement: train on device 0, sample on all 8 devices (4-way data x 2-way tensor); the
     same samples and the same updates as everything on device 0 (the update is the same
     program on the same device, so exactly equal; the sampler's log-probs differ by float
@@ -381,7 +381,7 @@ def test_overlong_penalty_hand_checked():
     assert not overlong_penalty(np.array([10]), np.array([False]), 10, 0, 1.0).any()
 
 
-def test_grpo_dynamic_sampling_keeps_informative_groups(fast_compile, tmp_path):
+def test_grpo_dynamic_sampling_keeps_informative_groups(tmp_path):
     cfg, src = _config(tmp_path, "grpo", "grpo.dynamic_sampling=true", "grpo.max_refills=2")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     rollout, timings = trainer.dynamic_rollout(jax.random.key(5))
@@ -422,7 +422,7 @@ def _assert_same_iteration(a, b, rollout, keys):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=0), a[2], b[2])
 
 
-def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
+def test_shared_prefix_iteration_equals_unpacked(tmp_path):
     """PPO with groups of 4 and a critic, KL in the reward (so old log-probs are scored), two
     epochs in two micro-batches: packed prompt groups vs the plain layout on the same rollout.
     Same math in another summation order: 1e-5 on scored arrays and on params after two
@@ -452,7 +452,7 @@ def test_shared_prefix_iteration_equals_unpacked(fast_compile, tmp_path):
     assert abs(out[True][3]["first/policy/ratio_max"] - 1.0) < 1e-5
 
 
-def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
+def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
     from jaxrlhf.sharding import rules_for
     from jaxrlhf.sharding.micro_batches import merge_micro, split_micro
 
@@ -483,7 +483,7 @@ def test_shared_prefix_minibatches_take_whole_groups(fast_compile, tmp_path):
     np.testing.assert_allclose(flops, fpt * 160 * (1 + 2 + 3 * 2), rtol=1e-6)
 
 
-def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(fast_compile, tmp_path, caplog):
+def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
     cfg, src = _config(tmp_path, "grpo", "grpo.rollout.pack_sequences=false")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
     rollout, _ = trainer.rollout(jax.random.key(1))
@@ -513,7 +513,7 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(fast_compile, tmp_
 
 
 @pytest.mark.parametrize("kl_mode", ["reward", "loss"])
-def test_update_forwards_stand_in_for_the_scoring_forwards(fast_compile, tmp_path, kl_mode):
+def test_update_forwards_stand_in_for_the_scoring_forwards(tmp_path, kl_mode):
     """One epoch, one minibatch, one micro-batch: the critic's update computes the values,
     GAE and returns from its own forward, and with ``kl_mode: loss`` the policy's update
     forward gives the old log-probs (no scoring forward of either). Against the same
@@ -543,7 +543,7 @@ def test_update_forwards_stand_in_for_the_scoring_forwards(fast_compile, tmp_pat
         np.testing.assert_allclose(out[None][3][key], out[2][3][key], atol=1e-5, rtol=1e-5)
 
 
-def test_score_micro_batches_equal_one_scoring_forward(fast_compile, tmp_path, caplog):
+def test_score_micro_batches_equal_one_scoring_forward(tmp_path, caplog):
     """PPO with a critic and a reward model, groups of 4, two update micro-batches (so the
     policy and critic scoring forwards run): the rollout scored at once, in 4 scoring
     micro-batches of one packed group, and in 8 of 2 rows (which split the groups: scoring
@@ -599,7 +599,7 @@ def recording_reward(prompts, completions, *, answer, prompt_ids, completion_ids
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_reward_function_gets_each_rows_own_record(fast_compile, tmp_path, dynamic):
+def test_reward_function_gets_each_rows_own_record(tmp_path, dynamic):
     """Shuffled prompts, 4 samples each (and dynamic sampling's refills): every row's
     ``answer`` is its own prompt's, and the ids decode to the texts it was given."""
     from jaxrlhf.data.tasks import sort_answer

@@ -17,8 +17,6 @@ from jaxrlhf.train.rl_scoring import abstract_rows
 from jaxrlhf.train.rl_trainer import build_rl_trainer
 from tests.train.test_rl import _config, _one_device_mesh
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 ENGINE = ("grpo.rollout.engine=continuous", "grpo.rollout.slots=8", "grpo.rollout.chunk_tokens=2")
 
 
@@ -47,7 +45,7 @@ METRICS = ("reward/mean", "kl/seq_mean", "loss/policy", "advantages/abs_mean", "
 
 
 @pytest.fixture(scope="module")
-def static_iteration(tmp_path_factory, fast_compile):
+def static_iteration(tmp_path_factory):
     """``_iteration`` on the static sampler (what the engine's iterations must equal)."""
     return _iteration(tmp_path_factory.mktemp("static"))
 

@@ -21,8 +21,6 @@ from jaxrlhf.sharding.mesh import MeshConfig, make_mesh
 from jaxrlhf.train import rl_stream
 from tests.train.test_rl_engine import ENGINE, METRICS, _iteration
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 THREAD = "jaxrlhf-stream-score"
 
 

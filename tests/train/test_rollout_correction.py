@@ -50,7 +50,7 @@ def _sequence_mask(old, behaviour, resp):
         "{proximal: behaviour}",
     ],
 )
-def test_corrected_update_matches_reference(fast_compile, tmp_path, setting):
+def test_corrected_update_matches_reference(tmp_path, setting):
     cfg, src = _config(
         tmp_path,
         "grpo",

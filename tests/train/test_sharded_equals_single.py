@@ -24,7 +24,7 @@ import pytest
 from jaxrlhf.train import loop
 from tests.train.helpers import config, mesh
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fast_compile")]
+pytestmark = pytest.mark.slow
 
 COMMON = (
     "train.batch_size=16",

@@ -31,8 +31,6 @@ from jaxrlhf.train.config import DPO_LOSS_CHOICES
 from jaxrlhf.train.optim import OptimizerConfig, decay_mask, make_schedule
 from tests.train.helpers import config, mesh
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 DATA = DataConfig(max_length=32, max_prompt_length=16)
 
 

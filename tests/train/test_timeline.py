@@ -3,9 +3,7 @@ from the process's CPU-time samples."""
 
 from __future__ import annotations
 
-import time
-
-import pytest
+import types
 
 from jaxrlhf.train.timeline import CpuSample, Phase, Timeline, host_cores, summarize
 
@@ -30,29 +28,25 @@ def test_host_cores_by_hand():
     assert host_cores(samples[::-1]) == 1.5  # threads may record out of order
 
 
-def _spin_cpu(seconds: float) -> None:
-    """Spins until this process has used ``seconds`` more CPU time (however long that takes
-    on a loaded machine)."""
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
+def test_timeline_samples_process_cpu(monkeypatch):
+    """Each recorded phase end samples the process's CPU time (``time.process_time``) and
+    the wall clock: with both clocks scripted, the samples hold exactly their readings, and
+    the summary's host cores are the CPU seconds over the wall seconds between them."""
+    from jaxrlhf.train import timeline as timeline_lib
 
-
-def test_timeline_samples_process_cpu():
-    """The samples hold the process's CPU time: 0.3 CPU seconds spun between two phase ends
-    are there (plus at most 0.1 s of the interpreter's and XLA's own threads), and a 0.3 s
-    sleep adds almost none. CPU time, not wall time, so a loaded machine that deschedules the
-    spin changes nothing."""
+    wall = iter([100.0, 101.0, 103.0, 107.0])  # origin, then one reading per record
+    cpu = iter([5.0, 6.5, 6.5])
+    clocks = types.SimpleNamespace(perf_counter=lambda: next(wall), process_time=lambda: next(cpu))
+    monkeypatch.setattr(timeline_lib, "time", clocks)  # this module's clocks only
     timeline = Timeline({"sampler": (0,), "learner": (1,)})
-    timeline.record("sample", "sampler", 0, 0.0, timeline.now())
-    _spin_cpu(0.3)
-    timeline.record("update", "learner", 0, 0.0, timeline.now())
-    spun = timeline.cpu[1].cpu - timeline.cpu[0].cpu
-    assert 0.3 <= spun < 0.4
-    time.sleep(0.3)
-    timeline.record("update", "learner", 1, 0.0, timeline.now())
-    assert timeline.cpu[2].cpu - timeline.cpu[1].cpu < 0.05
-    assert timeline.cpu[2].wall - timeline.cpu[1].wall >= 0.3
-    assert timeline.to_json()["summary"]["host/cpu_cores"] == pytest.approx(
-        host_cores(timeline.cpu)
-    )
+    timeline.record("sample", "sampler", 0, 0.0, 0.5)
+    timeline.record("update", "learner", 0, 0.5, 2.0)
+    timeline.record("update", "learner", 1, 2.0, 6.0)
+    assert [(s.wall, s.cpu, s.step) for s in timeline.cpu] == [
+        (1.0, 5.0, 0),
+        (3.0, 6.5, 0),
+        (7.0, 6.5, 1),
+    ]
+    # 1.5 CPU seconds in the 6 wall seconds from the first sample to the last.
+    assert host_cores(timeline.cpu) == 0.25
+    assert timeline.to_json()["summary"]["host/cpu_cores"] == 0.25
