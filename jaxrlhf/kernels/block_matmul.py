@@ -124,4 +124,6 @@ def block_matmul(x: Float[Array, "M K"], blocks: Float[Array, "P K B"]) -> Float
     # A non-CPU default backend never builds the kernel (its programs would not use it).
     if jax.default_backend() != "cpu" or not available():
         return einsum_block_matmul(x, blocks)
-    return _partitioned(x, blocks)
+    # Chosen where the program is lowered: a CPU process may compile for a TPU topology
+    # (the dry run's --topology), whose compiler has no partitioner for the kernel's call.
+    return jax.lax.platform_dependent(x, blocks, cpu=_partitioned, default=einsum_block_matmul)

@@ -281,7 +281,19 @@ def write_and_attend(
     if not _kernel_takes(q, k, v) or k_new.dtype != jnp.float32 or v_new.dtype != jnp.float32:
         return xla_write_and_attend(q, k, v, ok, k_new, v_new, slot, scale)
     slots = jnp.broadcast_to(slot.astype(jnp.int32), (rows,))
-    return _write_partitioned(q, k, v, ok.astype(jnp.bool_), k_new, v_new, slots, float(scale))
+    # Chosen where the program is lowered: a CPU process may compile for a TPU topology
+    # (the dry run's --topology), whose compiler has no partitioner for the kernel's call.
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        ok.astype(jnp.bool_),
+        k_new,
+        v_new,
+        slots,
+        cpu=lambda *args: _write_partitioned(*args, float(scale)),
+        default=functools.partial(xla_write_and_attend, scale=scale),
+    )
 
 
 def decode_attention(
@@ -310,4 +322,12 @@ def decode_attention(
     _check_shapes("decode_attention", q, k, v, ok)
     if not _kernel_takes(q, k, v):
         return xla_decode_attention(q, k, v, ok, scale)
-    return _partitioned(q, k, v, ok.astype(jnp.bool_), float(scale))
+    # Chosen where the program is lowered (see write_and_attend).
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        ok.astype(jnp.bool_),
+        cpu=lambda *args: _partitioned(*args, float(scale)),
+        default=functools.partial(xla_decode_attention, scale=scale),
+    )
