@@ -1,4 +1,5 @@
-"""``python -m jaxrlhf.plan --config RUN.yaml --cluster SPEC [--calibrate] [--out PLAN.yaml]``.
+"""``python -m jaxrlhf.plan --config RUN.yaml --cluster SPEC [--calibrate] [--out PLAN.yaml]``,
+or ``--topology v5e:8x8`` instead of ``--cluster`` to price programs compiled by XLA:TPU.
 
 Prints the best plans for the run on the cluster, ranked by predicted seconds per iteration,
 and writes the best as a config overlay: ``python -m jaxrlhf.train --config RUN.yaml
@@ -31,9 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
     add(
         "--cluster",
-        required=True,
         help="device kind and count: h100x8, a100x16, tpu-v5e-64, cpu-2 (cpu: this host, "
-        "split into that many JAX devices)",
+        "split into that many JAX devices); with --topology, the slice's by default",
+    )
+    add(
+        "--topology",
+        metavar="NAME",
+        help="a TPU slice (v5e:2x2, v5e:8x8, v5p:2x2x2, v4:2x2x1, v6e:4x4): compile every "
+        "plan's programs with the TPU compiler for it on this host and price them from its "
+        "cost and memory analyses (needs libtpu: pip install -e '.[tpu]')",
     )
     add("--out", metavar="PLAN.yaml", help="write the best plan here as a config overlay")
     add("--top", type=int, default=8, help="plans to print (default 8)")

@@ -29,7 +29,8 @@ Assumptions (stated in every report): the response lengths (``--lengths``; by de
 sample generates ``max_new_tokens`` tokens; the static sampler decodes that many steps
 whatever the lengths); sequence-packed scoring and the update at the packed size the
 trainer's planner picks for those lengths (:func:`_packed_costs`); programs
-compiled by XLA:CPU (its fusion and cost analysis stand in for the accelerator's); the
+compiled by XLA:CPU (its fusion and cost analysis stand in for the accelerator's), or with
+``--topology`` by XLA:TPU for that slice (the TPU compiler's own analyses); the
 update's optimizer step is counted once per micro-batch (an overestimate when
 ``num_micro > 1``); a host reward function costs what the cost model says (0 uncalibrated).
 """
@@ -238,7 +239,7 @@ def _affine(a: float, b: float, at: int, step: int, depth: int) -> float:
 
 
 def _compiled_programs(
-    cfg: RunConfig, source: str, packed_sizes: bool = False
+    cfg: RunConfig, source: str, packed_sizes: bool = False, topology: Any = None
 ) -> tuple[list, int, Any, Any]:
     """The dry run's programs at the model's depth: ``[(phase, name, runs, cost, peak)]``,
     the weight-sync bytes, a report (for its source) and the rollout engine's
@@ -248,14 +249,15 @@ def _compiled_programs(
     its layers as a scan, whose body XLA's cost analysis counts once: its costs come from
     unrolled compiles at 1 and 2 layers, its memory and sync bytes from scanned compiles at
     2 and 4 layers (the deep model's buffers: stacked per-layer activations), each
-    extrapolated affinely to the depth.
+    extrapolated affinely to the depth. ``topology``: compiled by XLA:TPU for that slice
+    (:class:`jaxrlhf.sharding.topology.Topology`) instead of on CPU devices.
     """
     from jaxrlhf.train import dry_run
 
     depth = cfg.model.resolve().num_layers
 
     def plan(c: RunConfig) -> Any:
-        return dry_run.plan(c, source=source, packed_sizes=packed_sizes)
+        return dry_run.plan(c, source=source, packed_sizes=packed_sizes, topology=topology)
 
     if depth <= FULL_DEPTH_LAYERS:  # shallow enough to compile as it is
         report = plan(cfg)
@@ -511,18 +513,20 @@ class CompiledPlan:
 
 
 def compile_plan(
-    cfg: RunConfig, source: str = "<plan>", packed_sizes: bool = False
+    cfg: RunConfig, source: str = "<plan>", packed_sizes: bool = False, topology: Any = None
 ) -> CompiledPlan:
     """Compiles ``cfg``'s programs (this process must have the devices its placement
     names, as CPU devices) and extrapolates them to the model's depth. ``packed_sizes``:
     also the sequence-packed scoring and update at each smaller packed size, so that
     :func:`estimate` prices them at the packed size a length distribution gives.
+    ``topology`` (a :class:`jaxrlhf.sharding.topology.Topology`): compiled by XLA:TPU for
+    that slice's devices instead (its costs and memory are the TPU compiler's).
 
     Raises:
       ConfigError, MeshError, ShardingRuleError, DryRunError: the plan is not a valid run
         (:func:`invalid_plan_errors`).
     """
-    programs, sync, report, layout = _compiled_programs(cfg, source, packed_sizes)
+    programs, sync, report, layout = _compiled_programs(cfg, source, packed_sizes, topology)
     groups = {(p.phase, p.name): SIDE_GROUPS[p.group] for p in report.programs if p.group}
     return CompiledPlan(tuple(programs), sync, report.source, layout, groups, report.packing)
 

@@ -22,6 +22,7 @@ from jaxrlhf.plan.estimate import CostModel, PlanEstimate, gib
 from jaxrlhf.plan.hardware import cluster_size, parse_cluster
 from jaxrlhf.plan.lengths import BUDGET, LengthModel, parse_lengths
 from jaxrlhf.plan.search import Evaluated, Searcher, search
+from jaxrlhf.sharding.topology import Topology, load_topology, no_persistent_cache
 
 __all__ = ["cli", "format_plans", "read_run"]
 
@@ -30,8 +31,8 @@ _ASSUMPTIONS = (
     "and admissions replayed on those lengths (its ragged-tail views priced from the views "
     "it compiles); sequence-packed scoring and the update at the packed size the trainer "
     "picks for those lengths (each size compiled; prompts at full length; streamed scoring "
-    "as one pass); costs from XLA:CPU's compilation of the "
-    "trainers' programs on fake devices (its cost analysis per device; models over 16 layers "
+    "as one pass); costs from {compiler}'s compilation of the "
+    "trainers' programs on {devices} (its cost analysis per device; models over 16 layers "
     "extrapolated from 1-4 layer compiles); roofline at the device kind's peaks divided by "
     "each phase's efficiency (uncalibrated: generate 0.5, score 0.5, train 0.4, sync 0.7), "
     "collectives not overlapped with compute, each over in-node links or the network by its "
@@ -52,9 +53,11 @@ def format_plans(
     top: int,
     header: str,
     lengths: LengthModel = BUDGET,
+    topology: str | None = None,
 ) -> str:
     """The ranked table (best first), the rejected plans' reasons, the assumptions (the
-    response lengths generation was priced at first)."""
+    response lengths generation was priced at first; ``topology``: the TPU slice the
+    programs were compiled for, None: fake CPU devices)."""
     lines = [
         header,
         "",
@@ -82,7 +85,13 @@ def format_plans(
             if len(seen) >= top:
                 lines.append(f"  ... ({len(rejected) - len(seen)} more)")
                 break
-    lines += ["", f"assumptions: {lengths.describe()}; {_ASSUMPTIONS}"]
+    compiled = (
+        ("XLA:CPU", "fake devices")
+        if topology is None
+        else (f"XLA:TPU {topology}", "its compile-only devices")
+    )
+    assumptions = _ASSUMPTIONS.format(compiler=compiled[0], devices=compiled[1])
+    lines += ["", f"assumptions: {lengths.describe()}; {assumptions}"]
     return "\n".join(lines)
 
 
@@ -119,22 +128,37 @@ def cli(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out}: its directory does not exist")
     lengths = parse_lengths(args.lengths)
     data = read_run(args.config, args.set)
-    kind, count = cluster_size(args.cluster)  # read before JAX starts
-    platform.set_cpu_devices(count)
-    import jax
+    topology = None
+    if args.topology is not None:  # the cluster is the slice's
+        import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    if len(jax.devices("cpu")) < count:
-        raise ConfigError(f"--cluster {args.cluster}: could not get {count} CPU devices")
-    cluster = parse_cluster(args.cluster)
+        jax.config.update("jax_platforms", "cpu")  # compiles only: the TPU runtime never starts
+        no_persistent_cache()
+        topology = load_topology(args.topology)
+        spec = _topology_cluster(topology, args.cluster)
+    elif args.cluster is None:
+        raise ConfigError(
+            "command line: give --cluster (h100x8, tpu-v5e-64, cpu-2) or --topology (v5e:8x8)"
+        )
+    else:
+        spec = args.cluster
+    kind, count = cluster_size(spec)  # read before JAX starts
+    if topology is None:
+        platform.set_cpu_devices(count)
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        if len(jax.devices("cpu")) < count:
+            raise ConfigError(f"--cluster {spec}: could not get {count} CPU devices")
+    cluster = parse_cluster(spec)
     is_cpu = kind == "cpu"
     if args.calibrate and not is_cpu:
         raise ConfigError(
             f"--calibrate times plans on this machine's CPU devices (--cluster cpu-N); "
-            f"{args.cluster} is not here: plan it uncalibrated"
+            f"{spec} is not here: plan it uncalibrated"
         )
     source = args.config[0]
-    searcher = Searcher(data, cluster, source, log=_progress, lengths=lengths)
+    searcher = Searcher(data, cluster, source, log=_progress, lengths=lengths, topology=topology)
     if searcher.cfg.algorithm not in RL_ALGORITHMS:
         raise ConfigError(f"{source}: algorithm: the planner plans RL runs (ppo, grpo)")
     explicit = args.cost_model != DEFAULT_COST_MODEL
@@ -172,11 +196,13 @@ def cli(args: argparse.Namespace) -> int:
         everything, rejected = searcher.ranked(model)
         plans = _of(everything, chosen)
     fitted = f"calibrated on {model.calibrated_on}" if model.calibrated_on else "uncalibrated"
+    compiled = "" if topology is None else f"compiled by {topology.compiler}; "
     header = (
-        f"plans for {source} ({searcher.cfg.algorithm}) on {cluster.label} ({how}; cost model "
-        f"{fitted}; seconds per iteration, bytes per device)"
+        f"plans for {source} ({searcher.cfg.algorithm}) on {cluster.label} ({compiled}{how}; "
+        f"cost model {fitted}; seconds per iteration, bytes per device)"
     )
-    print(format_plans(plans, rejected, args.top, header, lengths))
+    name = None if topology is None else topology.name
+    print(format_plans(plans, rejected, args.top, header, lengths, name))
     if plans:
         flat = _flat(everything)  # evaluated whatever --strategies says
         print(_compare(plans, flat, "flat (the best plan with every role on one mesh)"))
@@ -192,6 +218,31 @@ def cli(args: argparse.Namespace) -> int:
             f"--config {args.out}"
         )
     return 0
+
+
+def _topology_cluster(topology: Topology, cluster: str | None) -> str:
+    """The cluster spec of a TPU slice (``tpu-v5e-64``); ``cluster`` (``--cluster``, None:
+    not given) must name the same kind and count.
+
+    Raises:
+      ConfigError: they differ, or the slice's chip has no roofline here and no
+        ``--cluster`` says which to price it as.
+    """
+    count = len(topology.devices)
+    if topology.kind is None:
+        if cluster is None or cluster_size(cluster)[1] != count:
+            raise ConfigError(
+                f"--topology {topology.name}: no roofline for {topology.device_kind} here; "
+                f"give --cluster KIND-{count} to price it as a known kind"
+            )
+        return cluster
+    spec = f"{topology.kind}-{count}"
+    if cluster is not None and cluster_size(cluster) != cluster_size(spec):
+        raise ConfigError(
+            f"--cluster {cluster} is not --topology {topology.name} ({count} x "
+            f"{topology.kind}): give one of them"
+        )
+    return spec
 
 
 def _of(plans: Sequence[PlanEstimate], strategies: set[str]) -> list[PlanEstimate]:

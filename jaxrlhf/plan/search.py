@@ -58,9 +58,12 @@ class Searcher:
         source: str,
         log=print,
         lengths: LengthModel = BUDGET,
+        topology: Any = None,
     ):
         self.base, self.cluster, self.source, self.log = base, cluster, source, log
         self.lengths = lengths  # the response lengths generation is priced at
+        # A jaxrlhf.sharding.topology.Topology: compile for its TPU devices (None: CPU).
+        self.topology = topology
         # Shorter responses pack into fewer rows: price scoring and the update at that size.
         self.packed_sizes = lengths.kind != "budget"
         self.cfg = from_dict(base, source=source)
@@ -106,7 +109,7 @@ class Searcher:
                     self.evaluated.append(Evaluated(plan, label, None, why))
                     self.log(f"  {label}: rejected, {why}")
                     continue
-                compiled = compile_plan(cfg, self.source, self.packed_sizes)
+                compiled = compile_plan(cfg, self.source, self.packed_sizes, self.topology)
             except invalid_plan_errors() as e:
                 self.evaluated.append(Evaluated(plan, label, None, _first_line(e)))
                 if "micro" in str(e) or "rollout.slots" in str(e):
@@ -142,7 +145,7 @@ class Searcher:
                 self._exact[key] = Evaluated(
                     overlay,
                     candidates.describe(overlay, self.cfg.algorithm),
-                    compile_plan(cfg, packed_sizes=self.packed_sizes),
+                    compile_plan(cfg, packed_sizes=self.packed_sizes, topology=self.topology),
                 )
             except invalid_plan_errors() as e:
                 return f"not a valid run: {_first_line(e)}"

@@ -48,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --dry-run: check against a known device's memory (h100, tpu-v5e, ...)",
     )
     add(
+        "--topology",
+        metavar="NAME",
+        help="with --dry-run: compile every program with the TPU compiler for this TPU slice "
+        "(v5e:2x2, v5e:8x8, v5p:2x2x2, v4:2x2x1, v6e:4x4) on this host, and check the fit "
+        "against its chip's HBM; needs libtpu (pip install -e '.[tpu]')",
+    )
+    add(
+        "--json",
+        metavar="FILE",
+        help="with --dry-run: also write the report (per program: memory and cost analysis) "
+        "as JSON to FILE",
+    )
+    add(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in the run directory; error if there is "
@@ -111,10 +124,18 @@ def main(argv: list[str] | None = None) -> int:
 
             overrides = [*args.set, *args.overrides]
             return dry_run.cli(
-                args.config, overrides, memory=args.device_memory, kind=args.device_kind
+                args.config,
+                overrides,
+                memory=args.device_memory,
+                kind=args.device_kind,
+                topology=args.topology,
+                json_path=args.json,
             )
-        if args.device_memory is not None or args.device_kind is not None:
-            raise ConfigError("command line: --device-memory and --device-kind need --dry-run")
+        dry_run_only = ("device_memory", "device_kind", "topology", "json")
+        if any(getattr(args, name) is not None for name in dry_run_only):
+            raise ConfigError(
+                "command line: --device-memory, --device-kind, --topology and --json need --dry-run"
+            )
         _train(args)
     except (*user_errors, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,12 +22,17 @@ during the phase, without activations.
 
 Where the numbers come from, and what they are worth:
 
-* Programs are compiled by XLA:CPU on fake CPU devices (``jax_num_cpu_devices``), whatever
-  machine runs the dry run, so no accelerator time is spent and a 64-chip mesh plans on a
-  laptop. XLA:CPU is an *estimate* of GPU/TPU memory: it fuses and schedules differently,
-  may keep bf16 matmul operands in float32, and knows nothing of allocator fragmentation,
-  cuDNN workspaces or the runtime's reserve (JAX on GPU preallocates 75% of memory unless
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise). Leave headroom.
+* By default programs are compiled by XLA:CPU on fake CPU devices (``jax_num_cpu_devices``),
+  whatever machine runs the dry run, so no accelerator time is spent and a 64-chip mesh
+  plans on a laptop. XLA:CPU is an *estimate* of GPU/TPU memory: it fuses and schedules
+  differently, may keep bf16 matmul operands in float32, and knows nothing of allocator
+  fragmentation, cuDNN workspaces or the runtime's reserve (JAX on GPU preallocates 75% of
+  memory unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise). Leave headroom.
+* With ``--topology NAME`` (``v5e:2x2``; :mod:`jaxrlhf.sharding.topology`) they are compiled
+  by XLA:TPU for that slice's compile-only devices on this host (the TPU compiler's memory
+  and cost analyses; still no allocator fragmentation or runtime reserve). The run's mesh
+  must cover the slice (a ``-1`` axis fills it), and the fit is checked against the chip's
+  HBM unless ``--device-memory`` or ``--device-kind`` says otherwise.
 * A mesh needs as many devices as it has; :func:`cli` sets the CPU device count before JAX
   starts, or re-runs itself in a subprocess when this process already started JAX with
   fewer devices. A ``-1`` (fill) mesh axis fills the devices this process sees. With a
@@ -75,8 +80,14 @@ from jaxrlhf.sharding.placement import (
     role_mesh_config,
     train_device_count,
 )
+from jaxrlhf.sharding.topology import (
+    Topology,
+    load_topology,
+    no_persistent_cache,
+    topology_mesh,
+)
+from jaxrlhf.train import dry_run_json, dry_run_rl
 from jaxrlhf.train import dry_run_phases as phases
-from jaxrlhf.train import dry_run_rl
 from jaxrlhf.train.dry_run_phases import DryRunError, EngineLayout, ProgramMemory, RoleMemory
 
 __all__ = [
@@ -189,6 +200,18 @@ class DryRunReport:
     reshard_bytes: int = 0  # RL: bytes a sampler device receives when the policy moves to it
     engine_layout: EngineLayout | None = None  # RL with the rollout engine: its slots
     packing: Any = None  # RL: the run's rl_packing.PackingPlanner (its packed sizes)
+    topology: str | None = None  # the TPU topology compiled for (--topology), if any
+    device_kind: str = "cpu"  # the devices' kind as JAX names it ("TPU v5 lite")
+
+    @property
+    def compiler(self) -> str:
+        """The compiler whose analyses the report holds: ``XLA:TPU v5e:2x2`` for a
+        topology, ``XLA:CPU estimate`` on CPU devices (a proxy of accelerator memory)."""
+        if self.topology is not None:
+            return f"XLA:TPU {self.topology}"
+        if self.platform.startswith("XLA:CPU"):
+            return "XLA:CPU estimate"
+        return self.platform
 
     @property
     def devices(self) -> int:
@@ -245,7 +268,8 @@ def format_report(report: DryRunReport) -> str:
     fit_col = report.device_memory is not None
     lines += [
         "",
-        "bytes per device, compiled (XLA memory analysis) + resident (other roles' state):",
+        f"bytes per device, compiled by {report.compiler} (memory analysis) + resident "
+        "(other roles' state):",
         f"{'phase':<9} {'program':<11} {'arguments':>11} {'outputs':>11} {'aliased':>11} "
         f"{'temp':>11} {'resident':>11} {'peak':>11} {'state':>11} {'compile':>8}"
         + ("  fits" if fit_col else ""),
@@ -259,14 +283,19 @@ def format_report(report: DryRunReport) -> str:
         if fit_col:
             row += "  yes" if p.peak_bytes <= report.device_memory else "  NO"
         lines.append(row)
+    if report.topology is not None:
+        how = "the TPU compiler's memory analysis (no allocator fragmentation or runtime reserve)"
+    else:
+        how = (
+            "an estimate of accelerator memory (XLA:CPU fuses and schedules differently and "
+            "may keep bf16 operands in f32; no allocator fragmentation or runtime reserve)"
+        )
     lines += [
         "",
         f"{report.reason()}.",
         "state = parameters + optimizer state per device (analytic, no activations; streamed "
         "scoring adds the rollout engine's slots and the forwards it holds). Compiled "
-        f"by {report.platform} in {report.seconds:.0f} s: an estimate of accelerator memory "
-        "(XLA:CPU fuses and schedules differently and may keep bf16 operands in f32; no "
-        "allocator fragmentation or runtime reserve).",
+        f"by {report.platform} in {report.seconds:.0f} s: {how}.",
     ]
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
@@ -284,6 +313,7 @@ def plan(
     device_memory: int | None = None,
     device_label: str = "",
     packed_sizes: bool = False,
+    topology: Topology | None = None,
 ) -> DryRunReport:
     """Compiles every phase of ``cfg`` against abstract inputs and reports its memory.
 
@@ -298,13 +328,28 @@ def plan(
       packed_sizes: also compile the learner's sequence-packed scoring and update programs
         at each smaller packed size (``score@k``, ``update@k``: k packed rows per shard;
         run 0 times), for the planner to price the size a length distribution gives.
+      topology: compile with XLA:TPU for this slice's devices
+        (:func:`jaxrlhf.sharding.topology.load_topology`) instead of on CPU devices; the
+        run must use every one of them. Not with ``mesh``.
 
     Raises:
-      ConfigError, MeshError, ShardingRuleError: one-line user errors.
+      ConfigError, MeshError, ShardingRuleError: one-line user errors (a run whose devices
+        do not match the topology's is a MeshError).
     """
     start = time.perf_counter()
     placement = cfg.placement
-    if mesh is None:
+    if topology is not None:
+        if mesh is not None:
+            raise ValueError("plan: give a mesh or a topology, not both")
+        devices = list(topology.devices)
+        what = f"mesh {cfg.mesh.describe()}" if placement == PlacementConfig() else "this run"
+        topology.check_devices(run_devices(cfg.mesh, placement), what)
+        try:
+            train_count = train_device_count(placement, len(devices))
+        except MeshError as e:
+            raise MeshError(f"placement.train_devices: {e}") from None
+        mesh = topology_mesh(cfg.mesh, devices[:train_count])
+    elif mesh is None:
         devices = jax.devices("cpu")
         total = run_devices(cfg.mesh, placement) or len(devices)
         if total > len(devices):
@@ -323,23 +368,25 @@ def plan(
         devices = list(mesh.devices.flat)
         if placement.generate_mesh is not None:
             devices = jax.devices("cpu")
+    # On a TPU slice, each mesh in the order a run there gets it.
+    mesh_of = make_mesh if topology is None else topology_mesh
     gen_mesh, ref_mesh, critic_mesh = mesh, None, None
     if placement.generate_mesh is not None and cfg.algorithm in RL_ALGORITHMS:
-        gen_mesh = make_mesh(placement.generate_mesh, devices=devices)
+        gen_mesh = mesh_of(placement.generate_mesh, devices=devices)
     if placement.strategy != "colocated":  # the learner's, the sampler's and side groups
         groups = role_devices(placement, len(devices))
         learner = [devices[i] for i in groups["learner"]]
-        mesh = make_mesh(role_mesh_config(placement, "learner", cfg.mesh), learner)
+        mesh = mesh_of(role_mesh_config(placement, "learner", cfg.mesh), learner)
         gen_mesh = mesh
         if "sampler" in groups and cfg.algorithm in RL_ALGORITHMS:
             sampler = [devices[i] for i in groups["sampler"]]
-            gen_mesh = make_mesh(role_mesh_config(placement, "sampler", cfg.mesh), sampler)
+            gen_mesh = mesh_of(role_mesh_config(placement, "sampler", cfg.mesh), sampler)
         if "reference_group" in groups and cfg.algorithm in RL_ALGORITHMS:
             own = [devices[i] for i in groups["reference_group"]]
-            ref_mesh = make_mesh(role_mesh_config(placement, "reference_group", cfg.mesh), own)
+            ref_mesh = mesh_of(role_mesh_config(placement, "reference_group", cfg.mesh), own)
         if "critic" in groups and cfg.algorithm == "ppo":  # interleaved: the critic's own
             critic = [devices[i] for i in groups["critic"]]
-            critic_mesh = make_mesh(role_mesh_config(placement, "critic", cfg.mesh), critic)
+            critic_mesh = mesh_of(role_mesh_config(placement, "critic", cfg.mesh), critic)
     layout = validate(
         cfg,
         len(devices),
@@ -357,7 +404,9 @@ def plan(
         shapes = phases.plan_supervised(planner, layout)
     device = mesh.devices.flat[0]
     platform = f"XLA:{device.platform.upper()}"
-    if device.platform == "cpu":
+    if topology is not None:
+        platform = f"{topology.compiler} ({len(topology.devices)} x {topology.device_kind})"
+    elif device.platform == "cpu":
         platform += f" on {len(set(devices) | set(mesh.devices.flat))} CPU device(s)"
     return DryRunReport(
         source=source,
@@ -380,6 +429,8 @@ def plan(
         reshard_bytes=planner.reshard_bytes,
         engine_layout=planner.engine_layout,
         packing=planner.packing,
+        topology=None if topology is None else topology.name,
+        device_kind=device.device_kind,
     )
 
 
@@ -449,13 +500,27 @@ def _cpu_devices(n: int | None) -> bool:
     return n is None or len(jax.devices("cpu")) >= n
 
 
-def _run_child(paths: Sequence[str], overrides: Sequence[str], flags: Sequence[str], n: int) -> int:
+def _run_child(
+    paths: Sequence[str],
+    overrides: Sequence[str],
+    flags: Sequence[str],
+    n: int,
+    stages: list[dict[str, Any]] | None = None,
+) -> int:
     """The dry run of one config (its files ``paths``) in a fresh process with ``n`` CPU
-    devices."""
+    devices; appends its JSON entries to ``stages`` (None: no JSON wanted)."""
+    import tempfile
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{_CHILD_ENV: "1"})
     cmd = [sys.executable, "-m", "jaxrlhf.train", "--dry-run", *flags]
     cmd += [f"--config={p}" for p in paths] + [f"--set={o}" for o in overrides]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    with tempfile.TemporaryDirectory(prefix="jaxrlhf-dry-run-") as tmp:
+        report = os.path.join(tmp, "report.json")
+        if stages is not None:
+            cmd.append(f"--json={report}")
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if stages is not None:
+            stages.extend(dry_run_json.read_stages(report))
     sys.stdout.write(out.stdout)
     sys.stderr.write(out.stderr)
     return out.returncode
@@ -467,24 +532,46 @@ def cli(
     *,
     memory: str | None = None,
     kind: str | None = None,
+    topology: str | None = None,
+    json_path: str | None = None,
 ) -> int:
     """``--dry-run`` of a config or pipeline file and any overlay files after it (merged in
     order, :func:`jaxrlhf.train.pipeline.run_stages`): prints each stage's table.
+
+    Args:
+      paths, overrides: the config files (merged in order) and ``key=value`` overrides.
+      memory, kind: ``--device-memory`` / ``--device-kind`` (:func:`device_memory`).
+      topology: ``--topology``: compile with XLA:TPU for that slice
+        (:mod:`jaxrlhf.sharding.topology`); the fit is then checked against its chip's HBM
+        unless ``memory`` or ``kind`` is given.
+      json_path: ``--json``: also write every stage's report there
+        (:mod:`jaxrlhf.train.dry_run_json`).
 
     Returns:
       0 when every stage fits (or no device memory was given), 1 when one does not (its
       reason is printed as one line on stderr).
 
     Raises:
-      ConfigError, MeshError, ShardingRuleError: one-line user errors (the CLI exits 2).
+      ConfigError, MeshError, ShardingRuleError: one-line user errors (the CLI exits 2):
+        among them no TPU compiler, an unknown topology, or a mesh of another size.
     """
     from jaxrlhf.train.pipeline import run_stages
 
+    if json_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
+        raise ConfigError(f"{COMMAND_LINE}: --json {json_path}: its directory does not exist")
+    target = None
+    if topology is not None:
+        _cpu_devices(None)  # this process compiles only: the TPU runtime never starts here
+        no_persistent_cache()
+        target = load_topology(topology)
+        if memory is None and kind is None:
+            kind = target.kind  # the chip's HBM (None: a chip without figures: not checked)
     limit, label = device_memory(memory, kind)
     flags = [f"--device-memory={memory}"] * (memory is not None)
     flags += [f"--device-kind={kind}"] * (kind is not None)
     stages = run_stages([paths] if isinstance(paths, str) else paths)
     status = 0
+    reports: list[dict[str, Any]] | None = [] if json_path is not None else None
     # A pipeline stage often loads the model an earlier stage exports; that export does not
     # exist before a real run, so those stages are planned from a stand-in directory holding
     # the config.json the earlier stage would write (the dry run reads nothing else).
@@ -494,20 +581,23 @@ def cli(
             if len(stages) > 1:
                 print(f"== stage {i + 1}/{len(stages)}: {stage[0]}", flush=True)
             stage_overrides = [*overrides, *exports.overrides_for(stage, overrides)]
-            needed = _configured_devices(stage, stage_overrides)
+            needed = None if target is not None else _configured_devices(stage, stage_overrides)
             cfg = None
             if not _cpu_devices(needed):
                 if os.environ.get(_CHILD_ENV):
                     raise MeshError(f"could not get {needed} CPU devices for the dry run")
-                status = max(status, _run_child(stage, stage_overrides, flags, needed))
+                status = max(status, _run_child(stage, stage_overrides, flags, needed, reports))
             else:
                 data, origins = read_configs(stage, stage_overrides)
                 cfg = from_dict(data, source=stage[0], override_paths=origins)
-                status = max(status, _plan_and_report(cfg, stage, origins, limit, label))
+                done = _plan_and_report(cfg, stage, origins, limit, label, target, reports)
+                status = max(status, done)
             if i + 1 < len(stages):
                 exports.add(cfg, stage, stage_overrides, i + 1)
     finally:
         exports.close()
+        if json_path is not None:
+            dry_run_json.write_report(json_path, reports)
     return status
 
 
@@ -517,18 +607,30 @@ def _plan_and_report(
     origins: Mapping[str, str],
     limit: int | None,
     label: str | None,
+    topology: Topology | None = None,
+    reports: list[dict[str, Any]] | None = None,
 ) -> int:
-    """Plans one stage (its config files) and prints its table; 1 when it does not fit or
-    compile, else 0."""
+    """Plans one stage (its config files; on ``topology``'s devices if given) and prints its
+    table, appending its JSON entry to ``reports`` (None: none wanted); 1 when it does not
+    fit or compile, else 0."""
     files = " + ".join(stage)
     try:
         report = plan(
-            cfg, source=stage[0], override_paths=origins, device_memory=limit, device_label=label
+            cfg,
+            source=stage[0],
+            override_paths=origins,
+            device_memory=limit,
+            device_label=label,
+            topology=topology,
         )
     except DryRunError as e:
         print(f"error: {files}: {e}", file=sys.stderr)
+        if reports is not None:
+            reports.append(dry_run_json.error_entry(files, str(e)))
         return 1
     report = dataclasses.replace(report, source=files)  # the table names every file merged
+    if reports is not None:
+        reports.append(dry_run_json.report_entry(report))
     print(format_report(report), flush=True)
     if report.fits is False:
         print(f"error: {files}: {report.reason()}", file=sys.stderr)

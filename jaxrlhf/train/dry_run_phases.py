@@ -35,8 +35,15 @@ from jaxrlhf.train.state import TrainState, create_state
 from jaxrlhf.train.supervised import batch_layout, build_supervised_programs, objective_for
 
 # The programs are compiled, never run: skipping LLVM's optimisations roughly halves the
-# compile time and leaves XLA's buffer assignment (the memory analysis) unchanged.
+# compile time and leaves XLA's buffer assignment (the memory analysis) unchanged. For XLA:CPU
+# only: another compiler (XLA:TPU for a topology) compiles with its defaults, as a run does.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
+    """The options the dry run compiles with on ``mesh``'s devices: :data:`COMPILER_OPTIONS`
+    on CPU, else None (the compiler's defaults)."""
+    return COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
 
 
 class DryRunError(RuntimeError):
@@ -58,6 +65,10 @@ class ProgramMemory:
         for streamed scoring also the rollout engine's slot state and decode weights and
         the forwards scored before it.
       compile_s: seconds to lower and compile.
+      code_bytes: the compiled program's code (``generated_code_size_in_bytes``; on a TPU
+        it is loaded into device memory too, not counted in the peak).
+      compiler_peak_bytes: the compiler's own peak figure (``peak_memory_in_bytes``: on
+        XLA:TPU it also counts buffers in on-chip memory spaces), 0 where it gives none.
       cost: XLA's cost analysis per device, loop bodies counted once (the planner's input).
       runs: how many times per iteration that loop body runs when every sample generates
         ``max_new_tokens`` (decode steps, micro-batches x minibatches x epochs, ...).
@@ -76,6 +87,8 @@ class ProgramMemory:
     state_bytes: int
     compile_s: float
     cost: ProgramCost | None = None
+    code_bytes: int = 0
+    compiler_peak_bytes: int = 0
     runs: float = 1.0
     group: str = ""
 
@@ -273,7 +286,8 @@ class Planner:
         """
         start = time.perf_counter()
         try:
-            compiled = jitted.lower(*args).compile(compiler_options=COMPILER_OPTIONS)
+            options = compiler_options(self.mesh)  # every mesh of a plan: one platform
+            compiled = jitted.lower(*args).compile(compiler_options=options)
         except (ConfigError, MeshError, ShardingRuleError):
             raise
         except Exception as e:  # noqa: BLE001  a trainer bug or an XLA limit, told in one line
@@ -293,6 +307,8 @@ class Planner:
                 state_bytes=state,
                 compile_s=time.perf_counter() - start,
                 cost=program_cost(compiled, max(1, len(on))),
+                code_bytes=int(getattr(m, "generated_code_size_in_bytes", 0) or 0),
+                compiler_peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
                 runs=runs,
                 group=group,
             )
