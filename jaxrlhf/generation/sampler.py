@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any
 
 import flax.struct
@@ -68,6 +69,7 @@ from jaxrlhf.kernels import block_matmul
 from jaxrlhf.models import axes
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.precision import compute_dtype_params, needs_cast
 from jaxrlhf.models.transformer import Constrain, no_constraint
 from jaxrlhf.sharding import GENERATE, ReshardStats, Rules, activation_sharding, reshard
 from jaxrlhf.sharding.model_sharding import (
@@ -422,6 +424,8 @@ class Sampler:
             activation_constraint(mesh, rules) if mesh is not None else no_constraint
         )
         self.param_shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
+        # One elementwise program: its outputs keep their inputs' shardings.
+        self._cast = jax.jit(functools.partial(compute_dtype_params, cfg=cfg))
         self._jitted: dict[tuple, Any] = {}
 
     @property
@@ -448,12 +452,28 @@ class Sampler:
     # -- layouts and memory --------------------------------------------------------------
 
     def to_generate_layout(self, params: Any, *, donate: bool = False) -> tuple[Any, ReshardStats]:
-        """Reshards params (e.g. in the training layout) to this sampler's layout.
+        """``params`` (e.g. float32 masters in the training layout) in this sampler's layout
+        and compute dtype, and what the reshard moved.
 
-        ``donate=True`` frees the source buffers, so both layouts never coexist.
+        The weights the model casts at every use are cast to ``cfg.dtype`` once, here, in
+        their source layout, and resharded in that dtype
+        (:func:`jaxrlhf.models.precision.compute_dtype_params`): a bfloat16 sampler of
+        float32 masters holds, and the sync moves, half the bytes, and the decode's matmuls
+        read them without a cast. Params already in the compute dtype (a frozen bfloat16
+        role) are resharded as they are. ``donate=True`` frees the source buffers, so both
+        layouts never coexist (the cast copy is always freed by the reshard).
         """
         if self.mesh is None:
             raise ValueError("Sampler has no mesh; params are used where they are")
+        if needs_cast(params, self.cfg):
+            start = time.perf_counter()
+            cast = self._cast(params)
+            if donate:  # the cast read them: free them once it is done
+                jax.block_until_ready(cast)
+                jax.tree.map(lambda x: x.delete(), params)
+            moved, stats = reshard(cast, self.param_shardings, donate=True)
+            seconds = time.perf_counter() - start
+            return moved, ReshardStats(stats.bytes_moved, stats.bytes_total, seconds)
         return reshard(params, self.param_shardings, donate=donate)
 
     def _sharding(self, names: tuple, shape: tuple[int, ...]) -> NamedSharding:

@@ -11,6 +11,7 @@ trunk and the policy branch (:class:`HydraSync`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from jaxrlhf.models import hydra
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import combine
+from jaxrlhf.models.precision import compute_dtype_params
 from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.sharding import ReshardStats, reshard, reshard_bytes
 from jaxrlhf.sharding.model_sharding import activation_constraint, param_shardings
@@ -120,6 +122,10 @@ def _to_plain(frozen: Any, trainable: Any) -> Any:
     return hydra.to_plain(frozen["trunk"], trainable["policy"])
 
 
+def _to_plain_compute(frozen: Any, trainable: Any, *, model: ModelConfig) -> Any:
+    return compute_dtype_params(_to_plain(frozen, trainable), model)
+
+
 def plain_policy(frozen: Any, trainable: Any) -> Any:
     """The plain LM's params (``models.model`` tree) of the trunk and the policy branch."""
     return jax.jit(_to_plain)(frozen, trainable)
@@ -128,7 +134,9 @@ def plain_policy(frozen: Any, trainable: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class HydraSync:
     """The policy for the sampler: the plain model rebuilt from trunk and policy branch by
-    one jitted program (a full sync: the whole model moves). Its output is in the sampler's
+    one jitted program (a full sync: the whole model moves), in the compute dtype
+    (``models.precision.compute_dtype_params``: the values the decode reads, half the bytes
+    of float32 masters for bfloat16 compute). Its output is in the sampler's
     layout when the sampler runs on the training devices; on another mesh
     (``placement.generate_mesh``) it is in the training layout and is then resharded, as a
     full-weight policy is. Same interface as ``weight_sync.AdapterSync``."""
@@ -147,11 +155,12 @@ class HydraSync:
         train = param_shardings(model, train_mesh, TRAIN)
         via_train = set(train_mesh.devices.flat) != set(sampler.mesh.devices.flat)
         program = jax.jit(
-            _to_plain,
+            functools.partial(_to_plain_compute, model=model),
             in_shardings=(layout.trunk_shardings, layout.policy_shardings),
             out_shardings=train if via_train else sampler.param_shardings,
         )
-        full = reshard_bytes(train, sampler.param_shardings, model_lib.abstract_params(model))
+        abstract = compute_dtype_params(model_lib.abstract_params(model), model)
+        full = reshard_bytes(train, sampler.param_shardings, abstract)
         return cls(layout, sampler, program, full, via_train)
 
     def generate_params(

@@ -9,6 +9,11 @@ device folds its own shard, no communication beyond the adapters'). ``lora.sync:
 merges in the training layout and reshards the merged weights, as without LoRA; both give
 the sampler the same merged weights.
 
+The sampler's weights are in the model's compute dtype either way: the merges compute in
+float32 and cast once to it (``models.precision.compute_dtype_params``), so a bfloat16
+sampler of float32 masters holds, and a full sync moves, half the bytes; the resident base
+stays in its stored dtype (merging into a pre-cast base would round twice).
+
 Bytes are counted as in :mod:`jaxrlhf.sharding.reshard`: what arrives on a device that did
 not hold it. The price of adapter sync is memory: the resident base copy in the sampler's
 layout, beside the training layout's (the two coincide, and share buffers, where the layouts
@@ -25,14 +30,16 @@ import jax
 
 from jaxrlhf.generation import Sampler
 from jaxrlhf.models import lora as lora_lib
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.precision import compute_dtype_params
 from jaxrlhf.sharding import ReshardStats, reshard, reshard_bytes
 from jaxrlhf.sharding.model_sharding import param_shardings
 from jaxrlhf.sharding.rules import GENERATE
 from jaxrlhf.train.adapters import LoraLayout
 
 
-def _merge(frozen: Any, trainable: Any, *, spec: lora_lib.LoraSpec) -> Any:
-    return lora_lib.merge(frozen, trainable, spec)
+def _merge(frozen: Any, trainable: Any, *, spec: lora_lib.LoraSpec, model: ModelConfig) -> Any:
+    return compute_dtype_params(lora_lib.merge(frozen, trainable, spec), model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +70,7 @@ class AdapterSync:
         _, adapter_sh = lora_lib.split_params(
             param_shardings(sampler.cfg, sampler.mesh, GENERATE, "lm", spec)
         )
-        merge = functools.partial(_merge, spec=spec)
+        merge = functools.partial(_merge, spec=spec, model=sampler.cfg)
         merge_generate = jax.jit(
             merge,
             in_shardings=(sampler.param_shardings, adapter_sh),
@@ -104,7 +111,10 @@ class AdapterSync:
         adapters = reshard_bytes(
             self.lora.trainable_shardings, self.adapter_shardings, self.lora.trainable
         )
+        model = self.sampler.cfg
         full = reshard_bytes(
-            self.lora.frozen_shardings, self.sampler.param_shardings, self.lora.frozen
+            self.lora.frozen_shardings,
+            self.sampler.param_shardings,
+            compute_dtype_params(self.lora.frozen, model),
         )
         return adapters, full
