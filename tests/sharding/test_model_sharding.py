@@ -69,7 +69,7 @@ def _mesh(shape):
         + [("gpt2", (2, 2, 2)), ("qwen3", (2, 2, 2)), ("gemma2", (1, 4, 2))]
         + [("gemma3", (2, 2, 2)), ("phi3", (2, 2, 2)), ("mixtral", (1, 4, 2))]
         + [("qwen3_moe", (2, 2, 2))],
-        default=[("llama", (2, 2, 2)), ("qwen3_moe", (2, 2, 2))],
+        default=[("llama", (2, 2, 2))],
     ),
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x,
 )

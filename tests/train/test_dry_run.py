@@ -235,6 +235,7 @@ OWN_REFERENCE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("placement", "phase", "where"),
     [
@@ -304,6 +305,7 @@ def test_plan_with_the_reference_apart(tmp_path, placement, phase, where):
     assert planned["score"].argument_bytes < planned["reference"].argument_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_plan_of_an_interleaved_critic_matches_real_run(tmp_path, lora):
     """``interleaved`` PPO (learner on devices 0-1, critic on 2-3 with the learner's two data
@@ -434,6 +436,7 @@ def test_cli_does_not_fit_exits_1(capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "does not fit" in err
 
 
+@pytest.mark.slow
 def test_plan_with_the_sampler_on_its_own_mesh(tmp_path):
     """placement: train on device 0 (fsdp 1), sample on all 8 devices (data 8). The sampler's
     programs compile on the 8-device mesh; device 0 holds the training state and the
@@ -506,6 +509,7 @@ def test_parse_memory(text, expected):
     assert dry_run.parse_memory(text) == int(expected)
 
 
+@pytest.mark.slow
 def test_cli_mesh_larger_than_this_process_runs_in_a_child(capsys):
     """16 devices from a process that has 8: the dry run re-runs itself with 16."""
     path = os.path.join(helpers.CONFIGS, "tiny_sft.yaml")
@@ -555,6 +559,7 @@ def _tables(out: str) -> list[str]:
     return [" ".join(line.split()[:-1]) if line.endswith("s") else line for line in lines]
 
 
+@pytest.mark.slow
 def test_pipeline_dry_run_plans_stages_whose_inputs_an_earlier_stage_exports(
     tmp_path, monkeypatch, capsys
 ):

@@ -59,6 +59,7 @@ def _assert_close(a, b, atol):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=0), a, b)
 
 
+@pytest.mark.slow
 def test_at_init_a_hydra_critic_equals_a_separate_critic_of_the_same_weights(tmp_path):
     """Both runs start from the same initial policy; the separate critic is a copy of it with
     a value head (``critic_init: policy``), the Hydra critic a copy of its layers from the
@@ -115,6 +116,7 @@ def test_at_init_a_hydra_critic_equals_a_separate_critic_of_the_same_weights(tmp
     jax.tree.map(np.testing.assert_array_equal, hydra.to_plain(ref["trunk"], ref["policy"]), plain0)
 
 
+@pytest.mark.slow
 def test_sampler_on_its_own_mesh_equals_one_mesh(tmp_path):
     """placement: train on device 0, sample on all 8 devices: the plain policy is rebuilt in
     the training layout and resharded to the sampler's; the same samples and updates as
@@ -142,6 +144,7 @@ def test_sampler_on_its_own_mesh_equals_one_mesh(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, out["one"][2], out["placed"][2])
 
 
+@pytest.mark.slow
 def test_dry_run_reports_the_critic_against_a_separate_one(tmp_path):
     """The Hydra critic's params and optimizer state per device, and a separate critic's,
     as the real trainers hold them (one device: per device = all)."""

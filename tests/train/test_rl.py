@@ -23,6 +23,7 @@ from jaxrlhf.sharding import MeshConfig, make_mesh
 from jaxrlhf.train.rl_config import GroupSizes
 from jaxrlhf.train.rl_metrics import flops_per_token
 from jaxrlhf.train.rl_trainer import build_rl_trainer
+from tests.tiers import tiered
 
 LR, EPS = 0.05, 1.0
 
@@ -200,6 +201,7 @@ def test_ppo_iteration_matches_reference(tmp_path):
     assert metrics["first/policy/ratio_mean"] == 1.0
 
 
+@pytest.mark.slow
 def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(tmp_path):
     cfg, src = _config(
         tmp_path,
@@ -217,6 +219,7 @@ def test_first_minibatch_ratio_is_exactly_one_with_shuffled_minibatches(tmp_path
     assert m["policy/ratio_max"] != 1.0  # later minibatches see updated params
 
 
+@pytest.mark.slow
 def test_sharded_iteration_equals_single_device(tmp_path):
     out = {}
     for name, mesh in (
@@ -241,6 +244,7 @@ def test_sharded_iteration_equals_single_device(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_sampler_on_its_own_mesh_equals_one_mesh(tmp_path):
     """placement: train on device 0, sample on all 8 devices (4-way data x 2-way tensor); the
     same samples and the same updates as everything on device 0 (the update is the same
@@ -422,6 +426,7 @@ def _assert_same_iteration(a, b, rollout, keys):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=0), a[2], b[2])
 
 
+@pytest.mark.slow
 def test_shared_prefix_iteration_equals_unpacked(tmp_path):
     """PPO with groups of 4 and a critic, KL in the reward (so old log-probs are scored), two
     epochs in two micro-batches: packed prompt groups vs the plain layout on the same rollout.
@@ -452,6 +457,7 @@ def test_shared_prefix_iteration_equals_unpacked(tmp_path):
     assert abs(out[True][3]["first/policy/ratio_max"] - 1.0) < 1e-5
 
 
+@pytest.mark.slow
 def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
     from jaxrlhf.sharding import rules_for
     from jaxrlhf.sharding.micro_batches import merge_micro, split_micro
@@ -483,6 +489,7 @@ def test_shared_prefix_minibatches_take_whole_groups(tmp_path):
     np.testing.assert_allclose(flops, fpt * 160 * (1 + 2 + 3 * 2), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
     cfg, src = _config(tmp_path, "grpo", "grpo.rollout.pack_sequences=false")
     trainer = build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
@@ -512,6 +519,7 @@ def test_shared_prefix_refuses_mixed_groups_and_logs_when_off(tmp_path, caplog):
     assert abs(m["first/policy/ratio_max"] - 1.0) < 1e-5  # packed scoring, unpacked update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kl_mode", ["reward", "loss"])
 def test_update_forwards_stand_in_for_the_scoring_forwards(tmp_path, kl_mode):
     """One epoch, one minibatch, one micro-batch: the critic's update computes the values,
@@ -543,6 +551,7 @@ def test_update_forwards_stand_in_for_the_scoring_forwards(tmp_path, kl_mode):
         np.testing.assert_allclose(out[None][3][key], out[2][3][key], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_score_micro_batches_equal_one_scoring_forward(tmp_path, caplog):
     """PPO with a critic and a reward model, groups of 4, two update micro-batches (so the
     policy and critic scoring forwards run): the rollout scored at once, in 4 scoring
@@ -598,7 +607,7 @@ def recording_reward(prompts, completions, *, answer, prompt_ids, completion_ids
     return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", tiered([False, True], [True]))
 def test_reward_function_gets_each_rows_own_record(tmp_path, dynamic):
     """Shuffled prompts, 4 samples each (and dynamic sampling's refills): every row's
     ``answer`` is its own prompt's, and the ids decode to the texts it was given."""
@@ -624,6 +633,7 @@ def test_reward_function_gets_each_rows_own_record(tmp_path, dynamic):
         assert all(prompts[i] == prompts[i - i % 4] for i in range(16))  # groups of 4
 
 
+@pytest.mark.slow
 def test_progress_lines_follow_log_every_while_every_iteration_is_logged(tmp_path, capsys):
     from jaxrlhf.train import loop
 

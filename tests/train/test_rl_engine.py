@@ -15,6 +15,7 @@ import pytest
 from jaxrlhf.config import ConfigError
 from jaxrlhf.train.rl_scoring import abstract_rows
 from jaxrlhf.train.rl_trainer import build_rl_trainer
+from tests.tiers import tiered
 from tests.train.test_rl import _config, _one_device_mesh
 
 ENGINE = ("grpo.rollout.engine=continuous", "grpo.rollout.slots=8", "grpo.rollout.chunk_tokens=2")
@@ -50,7 +51,7 @@ def static_iteration(tmp_path_factory):
     return _iteration(tmp_path_factory.mktemp("static"))
 
 
-@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("stream", tiered([True, False], [False]))
 def test_engine_iteration_equals_the_static_one(tmp_path, stream, static_iteration):
     """16 rows through 8 slots (rows wait and reuse slots), stop at EOS: the same samples,
     scores and update as the static sampler's iteration."""
@@ -64,6 +65,7 @@ def test_engine_iteration_equals_the_static_one(tmp_path, stream, static_iterati
         assert engine[1]["time/score_streamed_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "models",
     [(), ("ppo.value.branch_layer=1",), ("lora.rank=4",)],
@@ -98,6 +100,7 @@ def test_streamed_ppo_scoring_equals_unstreamed(tmp_path, models):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [8, 2])
 def test_streamed_scoring_keeps_the_score_micro_batch_size(tmp_path, micro):
     """PPO with a critic and a reward model, 4 prompts x 4 samples and
@@ -131,6 +134,7 @@ def test_streamed_scoring_keeps_the_score_micro_batch_size(tmp_path, micro):
     _assert_close(streamed, after, (*METRICS, "loss/value", "value/explained_var"))
 
 
+@pytest.mark.slow
 def test_oversampling_keeps_prompts_per_step_groups(tmp_path):
     trainer, metrics, *_ = _iteration(tmp_path, *ENGINE, "grpo.rollout.oversample_groups=2")
     assert metrics["rollout/aborted_groups"] == 2
@@ -196,6 +200,7 @@ def test_unset_slots_that_do_not_split_blame_what_sets_them(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_engine_chunks_run_at_most_max_new_tokens_steps(tmp_path):
     """chunk_tokens above max_new_tokens (6): each chunk runs 6 steps (a row admitted before
     a chunk ends within it); the dry run's note says so."""
@@ -208,6 +213,7 @@ def test_engine_chunks_run_at_most_max_new_tokens_steps(tmp_path):
     assert "6 steps per chunk" in note
 
 
+@pytest.mark.slow
 def test_dry_run_plans_the_engine(tmp_path):
     """The engine's decode-weights, admission and decode-chunk programs (the whole state,
     and the largest view) replace the static sampler's; the note gives its KV cache:
@@ -264,6 +270,7 @@ def _streamed_trees(trainer, rows: int) -> tuple:
     return state, forwards
 
 
+@pytest.mark.slow
 def test_dry_run_holds_whole_streamed_micro_batches(tmp_path):
     """5 prompts x 4 samples = 20 rows stream in micro-batches of 8 (whole groups, about a
     quarter, rounded up to 2 groups); the last is padded to 8 rows, so while it is scored
@@ -280,6 +287,7 @@ def test_dry_run_holds_whole_streamed_micro_batches(tmp_path):
     assert by_name["score (streamed)"].state_bytes == by_name["decode"].state_bytes + extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [2, 8])
 def test_dry_run_plans_streamed_scoring_under_a_score_micro_batch_size(tmp_path, micro):
     """16 rows scored in micro-batches of 2 or 8: a streamed batch (4 rows) runs 2 forwards
@@ -301,6 +309,7 @@ def test_dry_run_plans_streamed_scoring_under_a_score_micro_batch_size(tmp_path,
     assert streamed.state_bytes == by_name["decode"].state_bytes + extra
 
 
+@pytest.mark.slow
 def test_dry_run_notes_host_modules_it_cannot_find(tmp_path, monkeypatch):
     """The reward function's and the environment's modules are looked up, not imported: a
     package whose import would fail is found (and a namespace package inside it), a missing
@@ -332,6 +341,7 @@ def test_dry_run_notes_host_modules_it_cannot_find(tmp_path, monkeypatch):
     assert "trapped" not in sys.modules
 
 
+@pytest.mark.slow
 def test_dry_run_counts_streamed_scoring_where_it_runs(tmp_path):
     """With the sampler on devices 0-3 and the learner on 4-7, streamed scoring runs on the
     learner's devices: the engine's slots and decode weights and the sampler's policy copy

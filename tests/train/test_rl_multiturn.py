@@ -38,6 +38,7 @@ def _trainer(tmp_path, *overrides):
     return build_rl_trainer(cfg, mesh=_one_device_mesh(), source=src)
 
 
+@pytest.mark.slow
 def test_episode_rollout_masks_observations_out_of_the_loss(tmp_path):
     trainer = _trainer(tmp_path)
     rollout, timings = trainer.rollout(jax.random.key(0))
@@ -141,6 +142,7 @@ def _at_turn_ends(response_mask, first, last):
     return out
 
 
+@pytest.mark.slow
 def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
     """A PPO iteration over two-turn episodes: the rollout carries 0.5 at the first turn's
     last model token and 1.0 at the last one, its scores 1.5; the update's per-token
@@ -156,6 +158,7 @@ def test_ppo_episode_rewards_reach_the_critic_at_their_turns(tmp_path):
     np.testing.assert_allclose(jax.device_get(rewards), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_normalised_ppo_rewards_are_paid_on_the_last_token(tmp_path):
     """reward.normalize scales the batch's totals only: the rollout then carries no per-turn
     parts (a per-turn part scaled by 1/std of nearly equal totals would dwarf them)."""
@@ -167,6 +170,7 @@ def test_normalised_ppo_rewards_are_paid_on_the_last_token(tmp_path):
     assert np.isfinite(metrics["loss/policy"])
 
 
+@pytest.mark.slow
 def test_ppo_gae_in_scoring_uses_the_per_turn_rewards(tmp_path):
     """With two epochs the critic's values are scored up front and GAE runs in scoring: its
     returns equal ``losses.gae_advantages`` of the per-turn token rewards (0.5 and 1.0 at

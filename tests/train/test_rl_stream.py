@@ -28,6 +28,7 @@ def _stream_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(THREAD)]
 
 
+@pytest.mark.slow
 def test_background_scoring_equals_scoring_between_chunks(tmp_path):
     concurrent = _iteration(tmp_path, *ENGINE)  # stream_scoring and stream_concurrent default on
     serial = _iteration(tmp_path, *ENGINE, "grpo.rollout.stream_concurrent=false")
@@ -133,6 +134,7 @@ def test_programs_that_cannot_run_at_once_are_scored_between_chunks(monkeypatch)
     assert rl_stream.accelerator_blocker(one, four) is None
 
 
+@pytest.mark.slow
 def test_a_trainer_whose_programs_cannot_overlap_warns_and_scores_between_chunks(
     tmp_path, monkeypatch, caplog
 ):

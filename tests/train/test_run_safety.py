@@ -97,6 +97,7 @@ def test_output_dir_that_is_a_file_is_a_one_line_cli_error(tmp_path, capsys):
 # ---- metric history --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_keeps_every_intact_row_and_sets_damaged_ones_aside(tmp_path, caplog):
     """20 logged steps, checkpoint at 20; line 5 damaged by hand. Resuming to 24 keeps rows
     1-4 and 6-20 (before, the file was cut at the damaged line: 4 rows) and writes the
@@ -151,6 +152,7 @@ def _grpo(tmp_path, *overrides):
     return load_config(str(path), list(overrides))
 
 
+@pytest.mark.slow
 def test_a_non_finite_reward_keeps_the_iterations_before_it(tmp_path):
     CALLS["n"] = 0
     cfg = _grpo(tmp_path, f"grpo.reward.function={__name__}.nan_at_fourth_iteration")
@@ -214,6 +216,7 @@ def uninterrupted(tmp_path_factory):
     return loop.run(_grpo(tmp_path_factory.mktemp("whole"))).history
 
 
+@pytest.mark.slow
 def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch, uninterrupted):
     """A step that runs out of device memory stops the run with one line (where, XLA's
     allocation, what to try) after saving the state before it; resuming from there repeats
@@ -233,6 +236,7 @@ def test_running_out_of_memory_keeps_the_steps_before_it(tmp_path, monkeypatch, 
     _assert_same_run(loop.run(cfg).history, uninterrupted)
 
 
+@pytest.mark.slow
 def test_out_of_memory_after_the_update_keeps_the_state_before_it(
     tmp_path, monkeypatch, uninterrupted
 ):
@@ -248,6 +252,7 @@ def test_out_of_memory_after_the_update_keeps_the_state_before_it(
     _assert_same_run(loop.run(cfg).history, uninterrupted)
 
 
+@pytest.mark.slow
 def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
     tmp_path, monkeypatch, capsys
 ):
@@ -265,6 +270,7 @@ def test_out_of_memory_after_the_state_was_consumed_names_the_last_checkpoint(
     assert ckpt.steps() == [2]
 
 
+@pytest.mark.slow
 def test_supervised_out_of_memory_draws_its_batch_again(tmp_path, monkeypatch):
     """SFT: a step that runs out of memory after drawing its batch (as it puts it on the
     devices) leaves the data position before it, so resuming from the checkpoint saved then
@@ -297,6 +303,7 @@ def test_supervised_out_of_memory_draws_its_batch_again(tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", ["out of memory", "preempted", "diverged"])
 def test_a_stopped_run_lets_its_trainer_go(tmp_path, monkeypatch, stop):
     """A notebook keeps the last error it showed (IPython's ``sys.last_value``). The error
@@ -357,6 +364,7 @@ def strings(prompts, completions, **columns):
     return ["good"] * len(prompts)
 
 
+@pytest.mark.slow
 def test_a_reward_function_returning_strings_is_named(tmp_path):
     cfg = _grpo(tmp_path, f"grpo.reward.function={__name__}.strings", "train.steps=1")
     with pytest.raises(RewardError) as e:
@@ -390,6 +398,7 @@ def test_reward_model_errors_name_the_field(tmp_path):
 # ---- logged learning rate --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_logged_lr_is_the_last_updates_not_the_windows_mean(tmp_path):
     """A cosine schedule over 12 updates logged every 4: each row's lr is the schedule at the
     window's last update (a window mean would lag it and flatten the curve)."""

@@ -112,6 +112,7 @@ def test_weight_decay_only_on_matrices():
     assert not flat["['decoder']['final_norm']['bias']"]
 
 
+@pytest.mark.slow
 def test_dpo_loss_variants_at_the_reference():
     """At policy == reference: DPO loss log 2, IPO (1 / 2 beta)^2, hinge 1, margins 0; the
     reference-free SimPO and ORPO need no reference log-probs. One jit for all variants.
