@@ -692,6 +692,34 @@ def _check_ilql(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
         )
 
 
+def _check_precision(cfg: RunConfig, model_cfg: ModelConfig, ctx: _Context) -> None:
+    """Trained weights are float32 masters (compute in ``model.dtype``), or bfloat16 with
+    ``optimizer.stochastic_rounding``. Without LoRA every run trains its model's weights,
+    stored in ``param_dtype``; LoRA trains float32 adapters (and score head) above a frozen
+    base, which may be bfloat16. A low-precision weight keeps ``m`` mantissa bits (7 in
+    bfloat16, 10 in float16), so half its rounding spacing is ``2**-(m+2)`` to
+    ``2**-(m+1)`` of its magnitude (0.2-0.4% in bfloat16): an AdamW step of ~lr (1e-6 on
+    weights ~0.02) is far below it and rounds to nothing."""
+    dtype = model_cfg.param_dtype
+    if cfg.lora is not None or dtype == "float32":
+        return
+    if dtype == "bfloat16" and cfg.optimizer.stochastic_rounding:
+        return
+    bits = _MANTISSA_BITS[dtype]
+    half_spacing = f"{100 * 2.0 ** -(bits + 2):.2g}-{100 * 2.0 ** -(bits + 1):.2g}%"
+    option = " or set optimizer.stochastic_rounding: true" if dtype == "bfloat16" else ""
+    ctx.fail(
+        "model.param_dtype",
+        f"{dtype} weights would be trained, and an AdamW step (~lr = {cfg.optimizer.lr:g}) "
+        f"smaller than half a {dtype} spacing ({half_spacing} of the weight) rounds away; "
+        f"keep float32 masters with {dtype} compute (model.param_dtype: float32, "
+        f"model.dtype: {dtype}){option}",
+    )
+
+
+_MANTISSA_BITS = {"bfloat16": 7, "float16": 10}  # explicit mantissa bits of each dtype
+
+
 def _check_data(cfg: RunConfig, ctx: _Context) -> None:
     for field in ("train", "eval"):
         src = getattr(cfg.data, field)
@@ -955,15 +983,18 @@ def validate(
         :func:`from_dict`).
 
     Raises:
-      ConfigError: the model cannot be resolved, sequence lengths exceed the model's
-        positions, the meshes do not fit the devices, batch or rollout sizes do not split into
-        micro-batches x data shards, or the warmup is longer than the run (one line each).
+      ConfigError: the model cannot be resolved, trained weights are below float32
+        (``model.param_dtype``, without ``optimizer.stochastic_rounding``), sequence lengths
+        exceed the model's positions, the meshes do not fit the devices, batch or rollout
+        sizes do not split into micro-batches x data shards, or the warmup is longer than
+        the run (one line each).
     """
     ctx = _Context(source, override_paths)
     model_cfg = _check_model(cfg, ctx)
     _check_lora(cfg, model_cfg, ctx)
     _check_hydra(cfg, model_cfg, ctx)
     _check_ilql(cfg, model_cfg, ctx)
+    _check_precision(cfg, model_cfg, ctx)
     _check_data(cfg, ctx)
     given = None if mesh is None else tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
     devices, train = _device_counts(cfg, devices, None if given is None else mesh.size, ctx)

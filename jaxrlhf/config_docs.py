@@ -60,7 +60,14 @@ _FALLBACK: Mapping[tuple[type, str], str] = {
     (model_config.ModelConfig, "qkv_bias"): "biases on the q/k/v projections (Qwen2).",
     (model_config.ModelConfig, "mlp_bias"): "biases on the MLP projections.",
     (model_config.ModelConfig, "tie_embeddings"): "the LM head reuses the embedding matrix.",
-    (model_config.ModelConfig, "param_dtype"): "dtype of the parameters: one of {dtypes}.",
+    (model_config.ModelConfig, "param_dtype"): (
+        "storage dtype of the weights: one of {dtypes}. Trained weights are float32 masters "
+        "computed in ``dtype`` (e.g. ``param_dtype: float32, dtype: bfloat16``); a run "
+        "refuses trained ``bfloat16`` weights unless ``optimizer.stochastic_rounding`` is "
+        "set (AdamW steps far below a bfloat16 weight's spacing round away), and "
+        "``float16`` ones always. A LoRA run trains float32 adapters, so its frozen base "
+        "may be ``bfloat16``."
+    ),
     (model_config.ModelConfig, "remat"): "activation rematerialisation: one of {remat}.",
     (model_config.ModelConfig, "attention_impl"): (
         "attention kernel: one of {attention_impls} (cudnn: GPU, bf16/fp16)."

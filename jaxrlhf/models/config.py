@@ -56,6 +56,18 @@ class ModelConfig(NamedPresets):
 
     Shapes use the letters of STYLE.md: D = hidden_size, F = intermediate_size,
     N = num_heads, K = num_kv_heads, H = head_dim, V = vocab_size, L = num_layers.
+
+    Mixed precision: weights are stored in ``param_dtype`` and cast to ``dtype`` (the
+    compute dtype of activations and matmuls) at every use; norms, softmax and log-probs run
+    in float32. Trained weights are float32 masters with bfloat16 compute
+    (``param_dtype: float32, dtype: bfloat16``, the recommended layout): a bfloat16 weight of
+    magnitude 0.02 lies on a grid of spacing ~1.2e-4, where AdamW steps of ~lr = 1e-6 round
+    away. A run refuses trained bfloat16 params (``jaxrlhf.config.validate``) unless
+    ``optimizer.stochastic_rounding`` rounds each update stochastically
+    (``train/rounding.py``). Copies that are only read are cast to ``dtype`` once
+    (``models/precision.py``): the sampler's weights at each sync and the frozen reference;
+    a reward model loads in the compute dtype. LoRA adapters and the scalar ``score`` head
+    are float32 whatever ``param_dtype``, so a LoRA run's frozen base may be bfloat16.
     """
 
     family: str = "llama"
@@ -98,7 +110,7 @@ class ModelConfig(NamedPresets):
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     router_aux_loss_coef: float = 0.0  # training: weight of the load-balancing loss (0: off)
 
-    dtype: str = "float32"  # compute dtype of activations and matmuls
+    dtype: str = "float32"  # compute dtype of activations and matmuls (bfloat16 on accelerators)
     param_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"

@@ -29,6 +29,10 @@ pretrained weights, passed to the jitted steps as a separate argument that is ne
 or checkpointed, and shared with the reference (which is the base without adapters). The
 loss sees both as a :class:`LoraParams`. The sampler gets merged weights
 (:func:`merge`): ``W + (alpha / r) A B``.
+
+The adapters are stored in float32 whatever the base's ``param_dtype`` (they are trained:
+small updates to bfloat16 weights round away, see ``train/rounding.py``) and cast to the
+compute dtype at use, so a frozen base may stay bfloat16.
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ def lora_delta(
     ``{name}_lora_b [r, *out_dims]``.
 
     Args:
-      module: the Linen module that owns the kernel (its ``cfg`` gives the dtypes).
+      module: the Linen module that owns the kernel (its ``cfg`` gives the compute dtype;
+        the adapters are stored in float32).
       spec: the adapters' settings.
       name: the kernel's name without ``_kernel`` (``q``, ``down``, ...).
       x: the projection's input ``[..., *in_dims]``.
@@ -116,13 +121,13 @@ def lora_delta(
         f"{name}_lora_a",
         nn.with_logical_partitioning(a_init, (*in_names, axes.LORA_RANK)),
         (*in_dims, r),
-        cfg.weight_dtype,
+        jnp.float32,
     ).astype(cfg.compute_dtype)
     b = module.param(
         f"{name}_lora_b",
         nn.with_logical_partitioning(nn.initializers.zeros, (axes.LORA_RANK, *out_names)),
         (r, *out_dims),
-        cfg.weight_dtype,
+        jnp.float32,
     ).astype(cfg.compute_dtype)
     batch = x.shape[: x.ndim - len(in_dims)]
     x2 = x.reshape(-1, fan_in)

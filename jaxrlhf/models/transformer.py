@@ -571,7 +571,9 @@ class ScalarModel(nn.Module):
 
     Used as the critic (value per token) and as the reward model (the value at each row's
     last real token, see :func:`jaxrlhf.models.heads.last_token_values`). ``head_from`` and
-    ``select`` as for :class:`CausalLM`.
+    ``select`` as for :class:`CausalLM`. The head is stored in float32 whatever
+    ``param_dtype`` (it is trained beside a frozen base, e.g. with LoRA, where bfloat16
+    would round its small updates away) and cast to the compute dtype at use.
     """
 
     cfg: ModelConfig
@@ -586,10 +588,9 @@ class ScalarModel(nn.Module):
         _, hidden, new_cache = head_inputs(
             self, tokens, positions, mask, cache, cache_index, head_from, select
         )
-        kernel = param(
-            self, "score", (cfg.hidden_size, 1), (axes.EMBED, axes.SCALAR), dense_init(cfg)
-        )
-        values = dense(hidden, kernel)[..., 0]
+        init = nn.with_logical_partitioning(dense_init(cfg), (axes.EMBED, axes.SCALAR))
+        kernel = self.param("score", init, (cfg.hidden_size, 1), jnp.float32)
+        values = dense(hidden, kernel.astype(cfg.compute_dtype))[..., 0]
         return values.astype(jnp.float32), new_cache
 
 

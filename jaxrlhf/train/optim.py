@@ -1,4 +1,6 @@
-"""AdamW with warmup + cosine/linear/constant schedules and global-norm clipping (optax)."""
+"""AdamW with warmup + cosine/linear/constant schedules and global-norm clipping (optax);
+with ``stochastic_rounding``, its updates rounded stochastically into bfloat16 params
+(``train/rounding.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf.train.config import OptimizerConfig
+from jaxrlhf.train.rounding import with_stochastic_rounding
 
 # Leaves that get weight decay: matrices and embeddings, not norm scales or biases. Matched
 # on the param's name because stacked layers make even norm scales 2-D ([L, D]).
@@ -44,7 +47,9 @@ def decay_mask(params: Any) -> Any:
 def make_optimizer(
     cfg: OptimizerConfig, total_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """``(optimizer, lr_fn)``: clip by global norm, then AdamW on the schedule."""
+    """``(optimizer, lr_fn)``: clip by global norm, then AdamW on the schedule; with
+    ``cfg.stochastic_rounding``, both run in float32 and bfloat16 params take their updates
+    rounded stochastically (:func:`~jaxrlhf.train.rounding.with_stochastic_rounding`)."""
     lr_fn = make_schedule(cfg, total_steps)
     adamw = optax.adamw(
         lr_fn,
@@ -55,6 +60,9 @@ def make_optimizer(
         mask=decay_mask,
         mu_dtype=None if cfg.mu_dtype is None else jnp.dtype(cfg.mu_dtype),
     )
+    optimizer = adamw
     if cfg.max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw), lr_fn
-    return adamw, lr_fn
+        optimizer = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    if cfg.stochastic_rounding:
+        optimizer = with_stochastic_rounding(optimizer)
+    return optimizer, lr_fn

@@ -36,6 +36,7 @@ from jaxrlhf.generation.engine import Engine
 from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import combine
+from jaxrlhf.models.precision import compute_dtype_params
 from jaxrlhf.models.scoring import RolloutForward
 from jaxrlhf.rewards.model import reward_model_scores
 from jaxrlhf.sharding import rules_for
@@ -255,9 +256,9 @@ def _reference(
     hydra: HydraLayout | None,
     r: int,
 ) -> tuple[RolloutForward, Any, Any]:
-    """``(forward, shardings, abstract params)`` of the frozen reference: the plain model
-    (with LoRA: the policy's own base), or for a Hydra critic the trunk with a frozen copy of
-    the policy's initial branch."""
+    """``(forward, shardings, abstract params)`` of the frozen reference: the plain model in
+    its compute dtype (``rl_setup.initial_states``; with LoRA: the policy's own base), or
+    for a Hydra critic the trunk with a frozen copy of the policy's initial branch."""
     rules = rules_for("reference", "score")
     if hydra is not None:
         forward = hydra_forward(model, mesh, rules, hydra.branch_layer, ("lm",), r, 1)
@@ -266,7 +267,8 @@ def _reference(
     forward = RolloutForward(build_sharded(model, mesh, rules, "lm"), r)
     if policy.lora is not None:
         return forward, policy.lora.frozen_shardings, policy.lora.frozen
-    return forward, param_shardings(model, mesh, rules), model_lib.abstract_params(model)
+    abstract = compute_dtype_params(model_lib.abstract_params(model), model)
+    return forward, param_shardings(model, mesh, rules), abstract
 
 
 def _reference_apart_program(

@@ -25,6 +25,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params
 from jaxrlhf.models.hf_config import checkpoint_head, load_hf_config
+from jaxrlhf.models.precision import frozen_copy
 from jaxrlhf.models.safetensors_io import CheckpointError
 from jaxrlhf.sharding.model_sharding import param_shardings
 from jaxrlhf.sharding.reshard import reshard
@@ -69,7 +70,7 @@ def _value_params(programs: RLPrograms, policy_params: Any) -> Any:
         return params
     params = {
         "decoder": jax.tree.map(jnp.copy, policy_params["decoder"]),
-        "score": jnp.zeros((model.hidden_size, 1), model.weight_dtype),
+        "score": jnp.zeros((model.hidden_size, 1), jnp.float32),  # ScalarModel's head dtype
     }
     return jax.device_put(params, value_sh)
 
@@ -91,24 +92,28 @@ def _lora_value(programs: RLPrograms, policy_frozen: Any, key: jax.Array) -> tup
         model, lora.spec, key, lora_lib.adapters_only(lora.trainable_shardings)
     )
     score = jax.device_put(
-        jnp.zeros((model.hidden_size, 1), model.weight_dtype), lora.trainable_shardings["score"]
+        jnp.zeros((model.hidden_size, 1), jnp.float32), lora.trainable_shardings["score"]
     )
     return frozen, dict(adapters, score=score)
 
 
 def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> InitialStates:
     """The learners' states and the reference in the programs' shardings; the reference is
-    a frozen copy of the initial policy (with LoRA, the policy's base itself), on the
-    sampler's devices with ``placement.reference: sampler`` and on its own group's with
-    ``own`` (copied there straight from the policy's parameters: the learner's devices
-    never hold it)."""
+    a frozen copy of the initial policy in the compute dtype (``models.precision
+    .frozen_copy``: the values its forward reads, in half the bytes of float32 masters for
+    bfloat16 compute; with LoRA, the policy's base itself), on the sampler's devices with
+    ``placement.reference: sampler`` and on its own group's with ``own`` (moved there from
+    a copy in the policy's layout: the learner's devices do not keep it)."""
     if programs.policy_lora is not None:
         return _initial_lora_states(cfg, programs, key)
     if programs.hydra is not None:
         return _initial_hydra_states(cfg, programs, key)
-    policy_params = init_params(cfg, programs.model, "lm", programs.policy_shardings.params, key)
+    model = programs.model
+    policy_params = init_params(cfg, model, "lm", programs.policy_shardings.params, key)
     if programs.reference_apart is not None:
-        ref_params, stats = reshard(policy_params, programs.reference_apart_shardings)
+        ref_params, stats = reshard(
+            frozen_copy(policy_params, model), programs.reference_apart_shardings, donate=True
+        )
         logger.info(
             "placement.reference: %s: the reference's copy on devices %s (%.1f MiB moved once)",
             cfg.placement.reference,
@@ -117,7 +122,7 @@ def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> Init
         )
     else:
         ref_params = jax.jit(lambda p: p, out_shardings=programs.reference_shardings)(
-            jax.tree.map(jnp.copy, policy_params)
+            frozen_copy(policy_params, model)
         )
     value_state = None
     if programs.value is not None:
@@ -161,9 +166,11 @@ def kl_controller(algo: PPOConfig | GRPOConfig) -> losses.AdaptiveKLState | loss
     return losses.FixedKL(loss.kl_coef)
 
 
-def reward_model_config(cfg: RunConfig, source: str) -> ModelConfig:
+def reward_model_config(cfg: RunConfig, source: str, dtype: str = "float32") -> ModelConfig:
     """The reward model's config, checked to be a reward model (a scalar head); ``source``:
-    where ``reward.model_dir`` was set (``config.source_of``), for messages.
+    where ``reward.model_dir`` was set (``config.source_of``), for messages. ``dtype``: the
+    run's compute dtype (``model.dtype``); the frozen reward model computes in it and is
+    held in it (``param_dtype``: it is never trained, so it needs no float32 masters).
 
     Raises:
       ConfigError: no readable config.json, or a causal LM given as the reward model.
@@ -171,7 +178,7 @@ def reward_model_config(cfg: RunConfig, source: str) -> ModelConfig:
     field = f"{source}: {cfg.algorithm}.reward.model_dir"
     path = rl_section(cfg).reward.model_dir
     try:
-        model = load_hf_config(path)
+        model = load_hf_config(path, dtype=dtype, param_dtype=dtype)
     except CheckpointError as e:
         raise ConfigError(f"{field}: {e}") from None
     if checkpoint_head(path) == "lm":

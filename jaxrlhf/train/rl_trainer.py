@@ -1034,7 +1034,7 @@ def build_rl_trainer(
         raise ConfigError(f"{where}: {cfg.algorithm}.{e}") from None
     rm_source = source_of(source, override_paths, f"{cfg.algorithm}.reward.model_dir")
     if algo.reward.model_dir is not None:
-        rm_cfg = reward_model_config(cfg, rm_source)
+        rm_cfg = reward_model_config(cfg, rm_source, layout.model.dtype)
     if cfg.data.train.startswith(BUILTIN_PREFIX):  # logged whatever drives RL
         task_fn = reward_fn if algo.reward.function == "builtin" else None
         task_fn = task_fn or resolve_reward_fn("builtin", cfg.data.train)

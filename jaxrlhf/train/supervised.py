@@ -36,6 +36,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.hf_checkpoint import load_params, save_hf
 from jaxrlhf.models.hf_config import load_hf_config
 from jaxrlhf.models.lora import LoraParams, combine_fn
+from jaxrlhf.models.precision import frozen_copy
 from jaxrlhf.sharding import rules_for
 from jaxrlhf.sharding.distributed import put_global
 from jaxrlhf.sharding.model_sharding import build_sharded, param_shardings
@@ -469,8 +470,9 @@ def build_supervised_trainer(
     if ref is not None and ref.hf_dir is None and frozen is not None:
         ref_params = frozen  # the reference is the base without adapters: no copy
     elif ref is not None and ref.hf_dir is None:
-        # A frozen copy of the initial policy (the policy's own buffers are donated to steps).
-        ref_params = jax.tree.map(jnp.copy, params)
+        # A frozen copy of the initial policy (the policy's own buffers are donated to steps),
+        # in the compute dtype its forward reads (half the bytes of float32 masters for bf16).
+        ref_params = frozen_copy(params, model)
     elif ref is not None:
         ref_params = load_params(
             ref.hf_dir, ref_model, head="lm", shardings=programs.reference_shardings

@@ -408,9 +408,15 @@ def test_dpo_plan_scores_reference(tmp_path, precompute):
 
 
 def test_bf16_state_keeps_its_dtypes(tmp_path):
-    """bf16 params + float32 accumulated gradients, no mu_dtype: the train step casts the
-    moments back, so the plan has no dtype-change note (it had one before that fix)."""
-    overrides = ["mesh.fsdp=8", "model.param_dtype=bfloat16", "train.micro_batch_size=2"]
+    """bf16 params (trained with stochastic rounding, as validation requires) + float32
+    accumulated gradients, no mu_dtype: the train step casts the optimizer state back to its
+    dtypes, so the plan has no dtype-change note (it had one before that fix)."""
+    overrides = [
+        "mesh.fsdp=8",
+        "model.param_dtype=bfloat16",
+        "optimizer.stochastic_rounding=true",
+        "train.micro_batch_size=2",
+    ]
     cfg = helpers.config("tiny_sft", tmp_path, *overrides)
     assert dry_run.plan(cfg, mesh=helpers.mesh(1, 8, 1)).notes == ()
 

@@ -194,8 +194,9 @@ def test_reward_model_from_a_causal_lm_export(tmp_path):
 
 
 def test_bf16_state_keeps_its_dtypes_under_accumulation(tmp_path):
-    """bf16 params, no mu_dtype, 2 micro-batches: float32-accumulated gradients must not turn
-    the Adam moments into float32 (that changed the state's type and recompiled step 2)."""
+    """bf16 params (trained with stochastic rounding, as validation requires), no mu_dtype,
+    2 micro-batches: float32-accumulated gradients must not change the optimizer state's
+    dtypes (that changed the state's type and recompiled step 2)."""
     from jaxrlhf.train import loop
     from tests.train.helpers import config
 
@@ -204,6 +205,7 @@ def test_bf16_state_keeps_its_dtypes_under_accumulation(tmp_path):
         tmp_path,
         "model.param_dtype=bfloat16",
         "model.dtype=bfloat16",
+        "optimizer.stochastic_rounding=true",
         "train.batch_size=32",
         "train.micro_batch_size=2",
         "data.eval_size=32",
