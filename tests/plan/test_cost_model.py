@@ -569,15 +569,17 @@ def test_memory_variants_halve_the_micro_batch_then_remat():
 
 
 def test_layouts_whose_states_cannot_fit_are_rejected_without_compiling(monkeypatch):
-    """Llama-3-8B PPO (policy + critic trained, reference + reward model frozen, bf16) on
-    8 x H100 data-parallel only: each device would hold 3 x 16.1 GB of policy state, 3 x 15.0
-    GB of critic state and 31.1 GB of frozen weights, 115.7 GiB over the 72 GiB usable:
-    rejected before any compile."""
+    """Llama-3-8B PPO (policy + critic trained, reference + reward model frozen, all bf16:
+    the recipe's weights overridden to bf16 with stochastic rounding, the layout these
+    figures price) on 8 x H100 data-parallel only: each device would hold 3 x 16.1 GB of
+    policy state, 3 x 15.0 GB of critic state and 31.1 GB of frozen weights, 115.7 GiB over
+    the 72 GiB usable: rejected before any compile."""
     from jaxrlhf.config import read_configs
     from jaxrlhf.plan import search
     from jaxrlhf.plan.estimate import state_floor
 
-    data, _ = read_configs(["configs/recipes/llama3_8b_ppo_8xh100.yaml"])
+    bf16 = ["model.param_dtype=bfloat16", "optimizer.stochastic_rounding=true"]
+    data, _ = read_configs(["configs/recipes/llama3_8b_ppo_8xh100.yaml"], bf16)
     searcher = search.Searcher(data, parse_cluster("h100x8"), "recipe", log=lambda s: None)
 
     def no_compile(*args, **kwargs):
