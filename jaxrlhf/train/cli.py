@@ -75,6 +75,7 @@ def _train(args: argparse.Namespace) -> None:
     from jaxrlhf.config import from_dict, read_configs
     from jaxrlhf.sharding.distributed import initialize_from_env
     from jaxrlhf.sharding.placement import check_cpu_devices
+    from jaxrlhf.train import compilation_cache
     from jaxrlhf.train.pipeline import requested_cpu_devices, run_stages
 
     stages = run_stages(args.config)
@@ -82,6 +83,10 @@ def _train(args: argparse.Namespace) -> None:
     for note in platform.configure_cpu_host(cpu_devices):  # before the backend starts
         logging.getLogger("jaxrlhf").debug("%s", note)
     initialize_from_env()  # joins a TPU pod / Slurm / MPI job; a no-op on one machine
+    cache = compilation_cache.enable()
+    logging.getLogger("jaxrlhf").info(
+        "compilation cache: %s", cache.directory or f"off ({compilation_cache.SETTING_ENV})"
+    )
     check_cpu_devices(cpu_devices)  # before sizes are checked
     from jaxrlhf.train import loop
 

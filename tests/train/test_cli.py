@@ -97,7 +97,8 @@ _PLACED = [
 @pytest.mark.slow
 def test_cli_sets_cpu_devices_before_jax_starts(tmp_path):
     """A fresh process (JAX's default: one CPU device): the CLI asks JAX for the config's two
-    CPU devices, trains on the first and samples on both."""
+    CPU devices, trains on the first and samples on both; its compiled programs go to the
+    persistent cache it was given."""
     import subprocess
     import sys
 
@@ -106,6 +107,9 @@ def test_cli_sets_cpu_devices_before_jax_starts(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
     env.pop("XLA_FLAGS", None)
+    # The run's persistent compilation cache, in a directory of this test's own.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["JAXRLHF_COMPILATION_CACHE"] = str(tmp_path / "xla-cache")
     cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", str(config)]
     out = subprocess.run(
         [*cmd, f"output_dir={tmp_path / 'run'}", *_PLACED],
@@ -118,6 +122,9 @@ def test_cli_sets_cpu_devices_before_jax_starts(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     log = out.stdout + out.stderr
     assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 1} (sampler: {'data': 2, 'fsdp': 1," in log
+    assert f"compilation cache: {tmp_path / 'xla-cache'}" in log
+    # The programs it compiled (JAX names each entry ``<key>-cache``).
+    assert len([f for f in os.listdir(tmp_path / "xla-cache") if f.endswith("-cache")]) > 5
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     # Each iteration copies the policy from device 0 to device 1: 26,784 float32 parameters.
     assert [r["reshard/bytes_moved"] for r in rows if "reshard/bytes_moved" in r] == [107136.0] * 2
