@@ -6,12 +6,12 @@ applied alone to the source, then the default tier run until its first failure.
     python tests/mutation_check.py                 # every mutation
     python tests/mutation_check.py losses config   # some of them, by name
 
-For each mutation the default tier runs with ``-x`` (stop at the first failure), the
-mutated package's own tests first (then the rest of the tier: a bug may only show
-elsewhere); the line printed names the first failing test. A mutation the tier survives is
-reported as ``SURVIVED`` and the script exits 1. The source is restored after each run,
-also when the run is interrupted. Not a test (``pytest`` does not collect it): each
-mutation costs a run of the tier up to its first failure.
+The mutations apply to a git worktree of HEAD (the working tree is never touched). For
+each, the default tier's tests of the mutated package run with ``-x`` (stop at the first
+failure), and only if they all pass the whole default tier (a bug may show elsewhere); the
+line printed names the first failing test. A mutation the tier survives, or that runs into
+the time limit, is reported as not caught and the script exits 1. Not a test (``pytest``
+does not collect it).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,12 +92,28 @@ MUTATIONS = (
         "the response mask starts one token early (on the prompt's last token)",
     ),
     Mutation(
-        "rewards",
+        "tasks",
         "jaxrlhf/data/tasks.py",
         "    return 0.7 * positional + 0.3 * overlap\n",
         "    return 0.3 * positional + 0.7 * overlap\n",
         "tests/test_rewards.py",
         "the sort task's partial credit weights swapped",
+    ),
+    Mutation(
+        "rewards",
+        "jaxrlhf/rewards/shaping.py",
+        "    over = np.clip((lengths - (max_new_tokens - buffer)) / buffer, 0.0, 1.0)\n",
+        "    over = np.clip((lengths - (max_new_tokens - buffer) + 1) / buffer, 0.0, 1.0)\n",
+        "tests/test_rewards.py",
+        "DAPO's overlong penalty starts one token early",
+    ),
+    Mutation(
+        "kernels",
+        "jaxrlhf/kernels/decode_attention.py",
+        "    return jax.ffi.ffi_call(TARGET, shape)(q, k, v, ok, scale=np.float32(scale))\n",
+        "    return jax.ffi.ffi_call(TARGET, shape)(q, k, v, ok, scale=np.float32(scale / 2))\n",
+        "tests/kernels",
+        "the CPU decode-attention kernel gets half the softmax scale",
     ),
     Mutation(
         "plan",
@@ -124,52 +142,92 @@ MUTATIONS = (
 )
 
 
-def run_tier(mutation: Mutation, timeout: float) -> tuple[str, float]:
-    """Runs the default tier with ``-x``; returns (verdict line, seconds)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-    cmd += [mutation.tests, "tests"]
+def run_tests(where: Path, paths: list[str], timeout: float) -> tuple[str, int]:
+    """Runs the default tier's tests under ``paths`` with ``-x`` in the checkout ``where``;
+    returns (the first failing test, or "" when all passed / "TIMEOUT", pytest's exit)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *paths]
     env = {k: v for k, v in os.environ.items() if k != "JAXRLHF_RUN_SLOW"}
-    start = time.perf_counter()
+    env["PYTHONPATH"] = str(where)  # this checkout's jaxrlhf, not the installed one
+    proc = subprocess.Popen(
+        cmd,
+        cwd=where,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a timeout kills pytest-xdist's workers too
+    )
     try:
-        done = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-        )
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "TIMEOUT (neither failed nor passed)", time.perf_counter() - start
-    took = time.perf_counter() - start
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
-    if done.returncode == 0:
-        return "SURVIVED: the default tier passed", took
-    if failed:
-        return f"caught by {failed[0]}", took
-    return f"caught: pytest exit {done.returncode}\n{done.stdout[-1500:]}", took
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "TIMEOUT", -1
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    if proc.returncode == 0:
+        return "", 0
+    return (
+        failed[0] if failed else f"pytest exit {proc.returncode}: {out[-300:]!r}"
+    ), proc.returncode
+
+
+def judge(mutation: Mutation, where: Path, timeout: float) -> tuple[str, bool, float]:
+    """The package's own tests first; the whole default tier only if they all pass.
+    Returns (verdict, caught, seconds)."""
+    start = time.perf_counter()
+    for paths in ([mutation.tests], ["tests"]):
+        first, code = run_tests(where, paths, timeout)
+        if first == "TIMEOUT":
+            return f"TIMEOUT in {' '.join(paths)}: not caught", False, time.perf_counter() - start
+        if code != 0:
+            return f"caught by {first}", True, time.perf_counter() - start
+    return "SURVIVED: the default tier passed", False, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help=f"of {[m.name for m in MUTATIONS]}")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per pytest run")
     args = parser.parse_args(argv)
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         parser.error(f"unknown mutations {sorted(unknown)}")
     chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
-    for m in chosen:  # all apply before any run
-        count = (ROOT / m.path).read_text().count(m.old)
-        if count != 1:
-            parser.error(f"{m.name}: the line to mutate occurs {count} times in {m.path}")
-    survived = 0
-    for m in chosen:
-        path = ROOT / m.path
-        source = path.read_text()
+    with tempfile.TemporaryDirectory(prefix="jaxrlhf-mutation-") as tmp:
+        where = Path(tmp) / "checkout"  # HEAD, apart from the working tree
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(where), "HEAD"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         try:
-            path.write_text(source.replace(m.old, m.new))
-            verdict, took = run_tier(m, args.timeout)
+            for m in chosen:  # all apply before any run
+                count = (where / m.path).read_text().count(m.old)
+                if count != 1:
+                    parser.error(f"{m.name}: the line to mutate occurs {count} times in {m.path}")
+            missed = 0
+            for m in chosen:
+                path = where / m.path
+                source = path.read_text()
+                try:
+                    path.write_text(source.replace(m.old, m.new))
+                    verdict, caught, took = judge(m, where, args.timeout)
+                finally:
+                    path.write_text(source)
+                missed += not caught
+                print(
+                    f"{m.name:<11} {m.path}: {m.what}\n{'':<11} {verdict} ({took:.0f} s)",
+                    flush=True,
+                )
         finally:
-            path.write_text(source)
-        survived += verdict.startswith("SURVIVED")
-        print(f"{m.name:<11} {m.path}: {m.what}\n{'':<11} {verdict} ({took:.0f} s)", flush=True)
-    return 1 if survived else 0
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(where)],
+                cwd=ROOT,
+                check=False,
+                capture_output=True,
+            )
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

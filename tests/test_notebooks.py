@@ -43,8 +43,6 @@ def _kernel_env(work_dir: Path) -> dict[str, str]:
         JAXRLHF_NOTEBOOK_SMOKE="1",
         JAXRLHF_NOTEBOOK_WORK_DIR=str(work_dir / "runs"),
         JAX_PLATFORMS="cpu",
-        # Most of a smoke run is XLA compilation; these tests check that cells run, not speed.
-        JAX_DISABLE_MOST_OPTIMIZATIONS="1",
         # Plots must come back as cell outputs whatever backend the test process was given.
         MPLBACKEND="module://matplotlib_inline.backend_inline",
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),

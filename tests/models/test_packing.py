@@ -111,7 +111,7 @@ def test_plan_and_layout_by_hand():
             ("gpt2", 1, True),
             ("qwen3_moe", 2, True),
         ],
-        [("llama", 2, False)],
+        [("llama", 1, True), ("llama", 2, False)],
     ),
 )
 def test_packed_logprobs_and_gradients_equal_padded(family, shards, share):

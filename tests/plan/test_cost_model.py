@@ -630,3 +630,19 @@ def test_annealing_walk_stays_within_its_time_limit_and_sees_both_strategies():
     assert visited[0] == 5 and 12 <= len(visited) <= 14
     assert how.startswith(f"annealing, {len(visited)} of 40 layouts")
     assert any(i >= 20 for i in visited) and len(set(visited)) == len(visited)
+
+
+def test_state_floor_counts_each_parameter_dtypes_bytes():
+    """GRPO on one device: the trained policy's parameters and two Adam moments plus the
+    frozen reference, 4 copies of the tiny model's parameters at 4 bytes each in float32,
+    2 in bfloat16 (trained with stochastic rounding)."""
+    from jaxrlhf.config import load_config
+    from jaxrlhf.models import model as model_lib
+    from jaxrlhf.plan.estimate import state_floor
+
+    one = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+    f32 = load_config("configs/tiny_grpo.yaml", one)
+    lm = model_lib.param_count(model_lib.abstract_params(f32.model.resolve()))
+    assert state_floor(f32) == 4 * lm * 4
+    bf16 = ["model.param_dtype=bfloat16", "optimizer.stochastic_rounding=true"]
+    assert state_floor(load_config("configs/tiny_grpo.yaml", [*one, *bf16])) == 4 * lm * 2

@@ -63,7 +63,8 @@ def _mesh(shape):
 @pytest.mark.parametrize(
     "family, mesh_shape",
     # 8 devices == 1: every mesh shape for llama and one per family in the full tier; the
-    # default tier keeps the data x fsdp x tensor mesh and the MoE's expert parallelism.
+    # default tier keeps the data x fsdp x tensor mesh (tests/generation/test_sharded.py's
+    # default case keeps an MoE's experts split over fsdp).
     tiered(
         [("llama", m) for m in MESHES]
         + [("gpt2", (2, 2, 2)), ("qwen3", (2, 2, 2)), ("gemma2", (1, 4, 2))]

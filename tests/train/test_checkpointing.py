@@ -32,8 +32,6 @@ from jaxrlhf.train.preemption import TrainingDiverged
 from jaxrlhf.train.supervised import SupervisedTrainer
 from tests.train.helpers import CONFIGS, config, mesh
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SFT = os.path.join(CONFIGS, "tiny_sft.yaml")
 # A constant learning rate: runs of different lengths share their first steps exactly.
@@ -97,6 +95,7 @@ def _assert_trees_equal(a, b):
 # ---- exact resume after SIGKILL ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_killed_then_resumed_equals_uninterrupted(tmp_path):
     args = (*SFT_ARGS, "train.steps=20", "checkpoint.every=3", "logging.progress=none")
     ref = loop.run(config("tiny_sft", tmp_path / "ref", *args))
@@ -145,6 +144,7 @@ def _ppo_config(tmp_path, name="ppo.yaml", **extra) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_ppo_killed_then_resumed_equals_uninterrupted(tmp_path):
     from jaxrlhf.config import load_config
 
@@ -185,6 +185,7 @@ def three_of_six(tmp_path_factory):
     return ref, tmp / "run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1)])
 def test_resume_on_another_mesh(tmp_path, three_of_six, shape):
     ref, saved = three_of_six
@@ -218,6 +219,7 @@ def test_resume_on_another_mesh(tmp_path, three_of_six, shape):
 # ---- preemption ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     run_dir = str(tmp_path / "run")
     args = (*SFT_ARGS, "train.steps=100000", "checkpoint.every=0", "logging.progress=plain")
@@ -272,6 +274,7 @@ print("not reached")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [True, False])
 def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, async_save):
     directory = str(tmp_path / "ckpt")
@@ -326,6 +329,7 @@ def test_a_state_on_two_device_groups_saves_restores_and_is_checked(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_resume_errors_are_one_line(tmp_path, capsys):
     run_dir = tmp_path / "run"
     base = [
@@ -390,6 +394,7 @@ def _poisoned_sft(poisoned_steps: set[int], monkeypatch):
     monkeypatch.setattr(SupervisedTrainer, "next_batch", next_batch)
 
 
+@pytest.mark.slow
 def test_nonfinite_updates_are_skipped(tmp_path, monkeypatch):
     _poisoned_sft({1, 2, 5}, monkeypatch)
     args = (*SFT_ARGS, "train.steps=7", "train.max_consecutive_skips=3", "logging.plot=false")
@@ -412,6 +417,7 @@ def test_train_step_leaves_state_untouched_on_nan(tmp_path, monkeypatch):
     assert float(metrics["skipped"]) == 0.0 and int(trainer.state.step) == 1
 
 
+@pytest.mark.slow
 def test_consecutive_nonfinite_updates_stop_with_the_last_good_state_saved(tmp_path, monkeypatch):
     """Updates 5, 6, 7 are non-finite and skipped; the run stops at step 7 and saves it. A
     skipped update changes nothing, so checkpoint 7 holds the step-4 state, equal to the
@@ -435,6 +441,7 @@ def test_consecutive_nonfinite_updates_stop_with_the_last_good_state_saved(tmp_p
     assert not os.path.exists(tmp_path / "hf")  # no export of a failed run
 
 
+@pytest.mark.slow
 def test_cli_reports_divergence_in_one_line(tmp_path, monkeypatch, capsys):
     _poisoned_sft(set(range(100)), monkeypatch)
     argv = ["--config", SFT, f"output_dir={tmp_path}", "logging.progress=none", *SFT_ARGS]

@@ -12,6 +12,7 @@ from jaxrlhf.models import model as model_lib
 from jaxrlhf.train import dpo, loop
 from jaxrlhf.train.config import DPO_LOSS_CHOICES, DPO_VARIANT_LOSSES
 from jaxrlhf.train.reward_model import pair_mask
+from tests.tiers import tiered
 from tests.train.helpers import config
 
 SMALL = (
@@ -57,8 +58,10 @@ def test_config_rejects_options_a_loss_type_ignores(options, message):
         dpo.DPOConfig(**options)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("loss_type", list(CASES))
+# The trainer dispatches every loss type through one path (the pure losses are checked
+# against TRL in tests/losses): three types with different options (label smoothing, an
+# f-divergence, the unpaired layout) check the dispatch; one of them in the default tier.
+@pytest.mark.parametrize("loss_type", tiered(["robust", "sppo_hard", "aot_unpaired"], ["robust"]))
 def test_dpo_steps_with_variant_loss_equal_the_pure_function(tmp_path, loss_type):
     """Step 1 moves the policy off the reference; step 2's loss (at the pre-step params) is
     compared with the pure function on log-probs computed here. Tolerance 1e-5 abs + 1e-5

@@ -112,7 +112,6 @@ def test_weight_decay_only_on_matrices():
     assert not flat["['decoder']['final_norm']['bias']"]
 
 
-@pytest.mark.slow
 def test_dpo_loss_variants_at_the_reference():
     """At policy == reference: DPO loss log 2, IPO (1 / 2 beta)^2, hinge 1, margins 0; the
     reference-free SimPO and ORPO need no reference log-probs. One jit for all variants.
@@ -193,6 +192,7 @@ def test_reward_model_from_a_causal_lm_export(tmp_path):
     assert metrics["eval/loss/rm"] == pytest.approx(np.log(2.0), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_state_keeps_its_dtypes_under_accumulation(tmp_path):
     """bf16 params (trained with stochastic rounding, as validation requires), no mu_dtype,
     2 micro-batches: float32-accumulated gradients must not change the optimizer state's
