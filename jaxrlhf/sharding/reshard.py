@@ -195,13 +195,14 @@ def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False) -> tuple[Any
       tree: pytree of ``jax.Array`` (host arrays are accepted and count as fully moved).
       dst_shardings: pytree of ``Sharding`` matching ``tree`` (or a prefix of it, or a
         single ``Sharding``).
-      donate: whether the source buffers may be freed. Use it for train -> generate
-        resharding so both layouts never coexist in memory. ``jax.device_put(...,
-        donate=True)`` does not free the source on every backend (on CPU in jax 0.10.2
-        it never does), so afterwards each source leaf that is still alive and shares no
-        buffer with its output is deleted explicitly. Leaves that do share a buffer with
-        the output (an unchanged layout, or an output shard that aliases the source) are
-        left alive, since deleting them would free the output too.
+      donate: whether the source buffers are freed. Use it for train -> generate
+        resharding so both layouts never coexist in memory. After the transfer each
+        source leaf that shares no buffer with its output is deleted. ``device_put``'s own
+        ``donate`` is not used: it does not free the source on every backend (on CPU in
+        jax 0.10.2 it never does), and on CPU a source it was given crashed the process
+        when next touched. Leaves that do share a buffer with the output (an unchanged
+        layout, or an output shard that aliases the source) are left alive, since
+        deleting them would free the output too.
 
     Returns:
       ``(new_tree, stats)``. The transfer has completed when this returns.
@@ -216,7 +217,9 @@ def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False) -> tuple[Any
     total = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
 
     start = time.perf_counter()
-    out_leaves = _device_put(leaves, dsts, donate)
+    # Donation is done here, not by device_put: on XLA:CPU (jax 0.10.2) a source donated to
+    # device_put across device sets crashed the process when next touched (is_deleted).
+    out_leaves = _device_put(leaves, dsts, donate=False)
     jax.block_until_ready(out_leaves)
     seconds = time.perf_counter() - start
 

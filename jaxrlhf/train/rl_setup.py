@@ -111,11 +111,9 @@ def initial_states(cfg: RunConfig, programs: RLPrograms, key: jax.Array) -> Init
     model = programs.model
     policy_params = init_params(cfg, model, "lm", programs.policy_shardings.params, key)
     if programs.reference_apart is not None:
-        # Not donated: on XLA:CPU (jax 0.10.2) reading the buffers of this donated copy
-        # after the transfer crashed the process; the copy is dropped right after instead.
-        copy = frozen_copy(policy_params, model)
-        ref_params, stats = reshard(copy, programs.reference_apart_shardings)
-        del copy  # the learner's devices do not keep the reference
+        ref_params, stats = reshard(
+            frozen_copy(policy_params, model), programs.reference_apart_shardings, donate=True
+        )
         logger.info(
             "placement.reference: %s: the reference's copy on devices %s (%.1f MiB moved once)",
             cfg.placement.reference,
