@@ -46,7 +46,7 @@ def _grpo(preset: str) -> RunConfig:
                 "preset": preset,
                 "num_layers": 2,
                 "dtype": "bfloat16",
-                "param_dtype": "bfloat16",
+                "param_dtype": "float32",  # float32 masters, bf16 compute (as the recipes)
                 "remat": "full",
                 "router_aux_loss_coef": 0.001,
             },
