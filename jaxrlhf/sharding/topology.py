@@ -56,8 +56,15 @@ _OPTIONS = {"v4": {"chip_config_name": "megacore"}}
 
 # libtpu, started on a host that is not a TPU VM, looks its worker names and host bounds up
 # in the VM's metadata and logs an error for each it cannot find. The compile-only devices
-# do not depend on them (the same compiled HLO either way): one host, itself.
-_QUIET_HOST = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
+# do not depend on them (the same compiled HLO either way): one host, itself. libtpu also
+# takes /tmp/libtpu_lockfile so that one process at a time drives the chips; a process that
+# only compiles drives none, and without the override a second one (two dry runs at once,
+# two test workers) fails to load the compiler.
+_QUIET_HOST = {
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_HOST_BOUNDS": "1,1,1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 
 
 class TopologyError(MeshError):
