@@ -140,8 +140,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _deselected_slow:
-        terminalreporter.write_line(
-            f"{_deselected_slow[-1]} slow tests deselected (the full tier): add --run-slow "
-            f"or set {RUN_SLOW_ENV}=1 to run them"
-        )
+    """Says that the full tier was left out (with the count where this process collected:
+    under pytest-xdist the workers collect and the controller does not know it)."""
+    if RUN_SLOW:
+        return
+    count = f"{_deselected_slow[-1]} " if _deselected_slow else ""
+    terminalreporter.write_line(
+        f"the full tier's {count}slow tests were deselected: add --run-slow or set "
+        f"{RUN_SLOW_ENV}=1 to run them"
+    )
