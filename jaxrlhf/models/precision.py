@@ -67,11 +67,5 @@ def frozen_copy(params: Any, cfg: ModelConfig) -> Any:
     policy): :func:`compute_dtype_params`, with every leaf a fresh array (none shares a
     buffer with ``params``, which a train step may donate). Eager: each leaf keeps its
     sharding."""
-    dtype = cfg.compute_dtype
-
-    def copy(path: tuple, leaf: jax.Array) -> jax.Array:
-        if cast_on_use(path, leaf) and leaf.dtype != dtype:
-            return leaf.astype(dtype)
-        return jnp.copy(leaf)
-
-    return jax.tree_util.tree_map_with_path(copy, params)
+    cast = compute_dtype_params(params, cfg)  # a leaf it leaves alone is the same array
+    return jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, cast, params)

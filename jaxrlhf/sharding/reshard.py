@@ -170,17 +170,17 @@ def _crosses_hosts(x: Any, dst: Sharding) -> bool:
     )
 
 
-def _device_put(leaves: list[Any], dsts: list[Sharding], donate: bool) -> list[Any]:
+def _device_put(leaves: list[Any], dsts: list[Sharding]) -> list[Any]:
     """``jax.device_put`` of ``leaves``; in a multi-process run, a leaf moving between two
     device sets that span processes (a separated placement's groups) goes through the hosts
     instead: all-gathered to every process, then each process places its devices' blocks."""
     if jax.process_count() == 1:
-        return jax.device_put(leaves, dsts, donate=donate)
+        return jax.device_put(leaves, dsts)
     out = list(leaves)
     direct = [i for i, (x, d) in enumerate(zip(leaves, dsts, strict=True))
               if not _crosses_hosts(x, d)]  # fmt: skip
     for i, y in zip(direct, jax.device_put([leaves[i] for i in direct],
-                                           [dsts[i] for i in direct], donate=donate),
+                                           [dsts[i] for i in direct]),
                     strict=True):  # fmt: skip
         out[i] = y
     for i in sorted(set(range(len(leaves))) - set(direct)):
@@ -219,7 +219,7 @@ def reshard(tree: Any, dst_shardings: Any, *, donate: bool = False) -> tuple[Any
     start = time.perf_counter()
     # Donation is done here, not by device_put: on XLA:CPU (jax 0.10.2) a source donated to
     # device_put across device sets crashed the process when next touched (is_deleted).
-    out_leaves = _device_put(leaves, dsts, donate=False)
+    out_leaves = _device_put(leaves, dsts)
     jax.block_until_ready(out_leaves)
     seconds = time.perf_counter() - start
 
